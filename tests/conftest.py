@@ -1,0 +1,72 @@
+"""Shared fixtures. The Keras flavour is fixed per process by TF_USE_LEGACY_KERAS
+(`make test` runs pytest once per flavour); tests use the fixtures below and
+never import a Keras directly, so the same test runs under both."""
+
+import importlib
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_gradkit import _flavour
+
+# Two logical CPUs, so MirroredStrategy tests run on this 2-core machine. This
+# must happen before TensorFlow initialises its devices, hence at import.
+_cpus = tf.config.list_physical_devices("CPU")
+try:
+    tf.config.set_logical_device_configuration(
+        _cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+except RuntimeError:  # devices already initialised by an earlier import
+    pass
+
+FLAVOUR = _flavour.active_flavour()
+MODES = ("eager", "function", "jit")
+
+
+def keras_module():
+    """The Keras that `tf.keras` is in this process."""
+    return importlib.import_module("tf_keras" if FLAVOUR == "tf_keras" else "keras")
+
+
+@pytest.fixture(scope="session")
+def K():
+    return keras_module()
+
+
+@pytest.fixture(scope="session")
+def gk():
+    """`tf_gradkit.keras3` or `tf_gradkit.tf_keras`, matching the process."""
+    return importlib.import_module(f"tf_gradkit.{FLAVOUR}")
+
+
+@pytest.fixture(scope="session")
+def flavour():
+    return FLAVOUR
+
+
+@pytest.fixture(params=MODES)
+def mode(request):
+    return request.param
+
+
+def compile_fn(fn, mode):
+    """Wraps `fn` for eager, `tf.function` or `tf.function(jit_compile=True)`."""
+    if mode == "eager":
+        return fn
+    return tf.function(fn, jit_compile=(mode == "jit"))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    np.random.seed(0)
+    tf.random.set_seed(0)
+    yield
+
+
+@pytest.fixture(scope="session")
+def two_cpus():
+    devices = tf.config.list_logical_devices("CPU")
+    if len(devices) < 2:
+        pytest.skip("needs two logical CPU devices")
+    return [d.name for d in devices[:2]]

@@ -1,0 +1,34 @@
+"""Which Keras flavour the public names resolve to.
+
+``tf.keras`` is Keras 3 unless ``TF_USE_LEGACY_KERAS`` is set to a true value,
+in which case it is tf_keras (the Keras 2 line that tfmot needs). We read that
+variable the same way TensorFlow does, at the moment a public name is looked up,
+and never write it (tfmot's import does; we don't).
+"""
+
+import importlib
+import os
+
+KERAS3 = "keras3"
+TF_KERAS = "tf_keras"
+
+
+def active_flavour():
+    """Returns ``"tf_keras"`` if ``tf.keras`` is tf_keras here, else ``"keras3"``."""
+    legacy = os.environ.get("TF_USE_LEGACY_KERAS", None)
+    return TF_KERAS if legacy in ("true", "True", "1") else KERAS3
+
+
+def resolve(name, module_name):
+    """Looks up ``name`` in ``tf_gradkit.<flavour>`` for the active flavour.
+
+    Args:
+      name: the public name, e.g. ``"GradientAccumulator"``.
+      module_name: the asking module, for the error message.
+    """
+    flavour_module = importlib.import_module(f"tf_gradkit.{active_flavour()}")
+    try:
+        return getattr(flavour_module, name)
+    except AttributeError:
+        raise AttributeError(
+            f"module {module_name!r} has no attribute {name!r}") from None
