@@ -1,0 +1,67 @@
+"""Docstrings shared by both Keras flavours' adapters (one text, two classes)."""
+
+GRADIENT_ACCUMULATOR = """Applies the wrapped optimizer once every ``steps`` micro-batches ({flavour}).
+
+    Each ``apply_gradients`` call adds one micro-batch to a window; when the
+    window holds ``steps`` micro-batches the inner optimizer runs once on their
+    combined gradient, so k micro-batches of b examples update the weights the
+    way one batch of k*b examples would (to float32 round-off, for
+    mean-reduced losses), for SGD, momentum, Adam and AdamW alike. Between
+    updates the inner optimizer is not touched at all: no zero-gradient steps,
+    no moment decay, and clipping, weight decay, EMA and constraints run only
+    at the real update.
+
+    ``iterations`` counts real (inner) updates, so learning-rate schedules,
+    checkpoints and callbacks see real steps. Keras 3's own
+    ``gradient_accumulation_steps`` counts micro-steps in its variable and
+    weights micro-batches equally; ``micro_steps`` here counts micro-batches.
+
+    Args:
+      optimizer: the {flavour} optimizer to wrap (Adam, SGD, a
+        LossScaleOptimizer, a tf_gradkit optimizer, ...).
+      steps: micro-batches per update, an integer >= 1.
+      reduction: how micro-batches combine. ``"example"`` (default): each
+        counts for the examples it holds, so a short last micro-batch weighs
+        what it holds (pass ``apply_gradients(..., sample_count=n)`` in custom
+        loops; under ``model.fit`` pass ``model=`` and the batch size is read
+        from each batch; without either a micro-batch counts as one).
+        ``"microbatch"``: each micro-batch counts equally. ``"sum"``: the
+        gradients are summed (for losses that are sums over examples).
+      model: optional, the model trained with ``fit``: its ``train_step`` then
+        reports batch sizes and its ``fit`` applies the ``epoch_end`` policy.
+        Only that model instance is touched (no subclassing needed).
+      epoch_end: what happens to a window left incomplete when an epoch's
+        data ends under ``fit`` (needs ``model=``): ``"apply"`` (default) it
+        now, weighted by what it holds; ``"carry"`` it into the next epoch;
+        ``"drop"`` it. In custom loops call ``flush()`` or ``discard()``.
+      nonfinite: ``"skip"`` (default): a window with a NaN/Inf micro-batch
+        gradient is discarded whole, weights and optimizer state untouched,
+        and ``skipped_windows`` increments (an inner LossScaleOptimizer still
+        lowers its scale). ``"raise"``: raise at the offending micro-batch.
+      name: optional name.
+
+    ``apply_gradients(grads_and_vars, sample_count=None, local_step=None)``:
+    ``local_step`` gives ConditionalAccumulator semantics for asynchronous or
+    pipelined producers: a gradient computed at ``local_step`` older than
+    ``iterations`` (the number of real updates) is stale and silently dropped
+    (``dropped_gradients`` counts them); it does not count toward the window.
+
+    Under ``tf.distribute.MirroredStrategy`` each replica accumulates locally;
+    the one cross-replica gradient reduction happens when the window closes.
+
+    Example:
+
+    >>> opt = GradientAccumulator({K}.optimizers.Adam(1e-3), steps=4, model=model)
+    >>> model.compile(optimizer=opt, loss="mse")
+    >>> model.fit(x, y, batch_size=8)  # one Adam step per 32 examples
+    """
+
+
+def wrong_optimizer(optimizer, flavour):
+    other = "tf_keras" if flavour == "keras3" else "keras3"
+    kind = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
+    return (
+        f"GradientAccumulator (tf_gradkit.{flavour}) wraps a "
+        f"{'Keras 3 (keras.optimizers.Optimizer)' if flavour == 'keras3' else 'tf_keras (tf_keras.optimizers.Optimizer)'}"
+        f" optimizer. Received: optimizer={kind}. For an optimizer of the "
+        f"other flavour use tf_gradkit.{other}.GradientAccumulator.")

@@ -1,0 +1,321 @@
+"""A TF2 `ConditionalAccumulator`: stale-gradient dropping without TF1 resources.
+
+TF1's ``tf.compat.v1.ConditionalAccumulator`` averages gradients from several
+workers and drops the ones computed against parameters that have since been
+updated. It is awkward in TF2: its ops have no XLA kernel, its take is a
+blocking queue operation, and two eager instances with the same dtype and shape
+silently share one kernel-side resource (``shared_name`` defaults to the op
+name). This module rebuilds the same rule from ordinary ``tf.Variable``\\ s owned
+by a ``tf.Module``, so it runs eagerly, in ``tf.function`` and under
+``jit_compile=True``, checkpoints with ``tf.train.Checkpoint``, and never
+shares state between instances.
+
+The rule, per accumulator with global step ``s``, sum ``S`` and count ``n``::
+
+    apply_grad(g, local_step):  if local_step >= s:  S += g;  n += 1
+                                else:                dropped += 1
+    take_grad(k):               if n >= k:  return S / n (or S);  S = 0; n = 0; s += 1
+                                else:       return zeros (state unchanged)
+
+References: TF1 ``ConditionalAccumulator`` / ``AccumulatorApplyGradient`` /
+``AccumulatorTakeGradient`` (same semantics, blocking take).
+"""
+
+import tensorflow as tf
+
+__all__ = ["ConditionalAccumulator", "REDUCTIONS"]
+
+REDUCTIONS = ("MEAN", "SUM")
+
+
+class ConditionalAccumulator(tf.Module):
+    """Averages (or sums) gradients, dropping stale ones; XLA-compatible.
+
+    **What ``local_step`` and staleness mean.** Think of the accumulator's
+    ``global_step`` as the *version number of the parameters*. Every successful
+    `take_grad` hands an averaged gradient to whoever updates the parameters, so
+    the parameters move on and ``global_step`` goes up by one. A worker that
+    computes a gradient should pass, as ``local_step``, the ``global_step`` it saw
+    when it *read the parameters* it differentiated. If, by the time the gradient
+    arrives, ``local_step < global_step``, the gradient describes parameters that
+    no longer exist: it is *stale*, and averaging it with current gradients would
+    mix two parameter versions. It is dropped silently (counted in
+    `num_dropped`) and `apply_grad` returns ``False``. ``local_step >=
+    global_step`` is accepted.
+
+    Beware the default ``local_step=0``: it is right only until the first
+    successful `take_grad`. After that every gradient applied without a
+    ``local_step`` is stale and dropped. If you do not want staleness checks at
+    all, pass ``local_step=acc.global_step``.
+
+    Example (two workers read the parameters at step 0; worker B is slow)::
+
+        acc = ConditionalAccumulator(tf.float32, shape=[2])
+        step_seen = int(acc.global_step)                    # both workers: 0
+        acc.apply_grad([1.0, 2.0], local_step=step_seen)    # A, on time: True
+        value, ready = acc.take_grad(num_required=1)        # [1., 2.], True
+        int(acc.global_step)                                # 1: parameters moved on
+        acc.apply_grad([9.0, 9.0], local_step=step_seen)    # B, stale: False
+        int(acc.num_accumulated()), int(acc.num_dropped())  # (0, 1)
+
+    **Differences from ``tf.compat.v1.ConditionalAccumulator``:**
+
+    * `take_grad` never blocks. It returns ``(value, ready)``; when fewer than
+      ``num_required`` gradients are in, ``value`` is zeros and nothing changes.
+      (A blocking wait has no meaning inside ``tf.function`` or XLA; call again.)
+    * No ``shared_name``: state is this instance's variables. Two instances never
+      share state; to share, share the instance.
+    * Dense gradients and ``tf.IndexedSlices`` both go into the one accumulator
+      (slices are scatter-added; TF1 needs a separate
+      ``SparseConditionalAccumulator``). The result is always dense.
+    * Counters (`num_accumulated`, `num_dropped`, `global_step`) are int64
+      (TF1's ``num_accumulated`` is int32).
+    * Everything is ordinary TF ops with XLA kernels, and the state saves and
+      restores with ``tf.train.Checkpoint(acc=accumulator)``.
+
+    Args:
+      dtype: floating dtype of the gradients (``tf.float16``, ``tf.bfloat16``,
+        ``tf.float32`` or ``tf.float64``).
+      shape: the fully defined shape of every gradient.
+      reduction: ``"MEAN"`` (`take_grad` returns the average of the accepted
+        gradients) or ``"SUM"`` (their sum).
+      name: optional module name; defaults to ``"conditional_accumulator"``.
+
+    Raises:
+      TypeError: ``dtype`` is not a floating dtype.
+      ValueError: ``shape`` is not fully defined, or ``reduction`` is not one of
+        ``"MEAN"``, ``"SUM"``.
+    """
+
+    def __init__(self, dtype, shape, reduction="MEAN", name=None):
+        super().__init__(name=name or "conditional_accumulator")
+        self._dtype = _check_dtype(dtype)
+        self._shape = _check_shape(shape)
+        if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+            raise ValueError(
+                f"`reduction` must be one of {REDUCTIONS}. Received: "
+                f"reduction={reduction!r}")
+        self._reduction = reduction
+        with self.name_scope:
+            self._sum = tf.Variable(
+                tf.zeros(self._shape, self._dtype), trainable=False,
+                name="accumulated_grad")
+            self._count = _counter("num_accumulated")
+            self._dropped = _counter("num_dropped")
+            self._global_step = _counter("global_step")
+
+    @property
+    def dtype(self):
+        """The gradients' dtype."""
+        return self._dtype
+
+    @property
+    def shape(self):
+        """The gradients' (fully defined) shape."""
+        return self._shape
+
+    @property
+    def reduction(self):
+        """``"MEAN"`` or ``"SUM"``."""
+        return self._reduction
+
+    @property
+    def global_step(self):
+        """int64 scalar tensor: the parameter version; `take_grad` bumps it."""
+        return self._global_step.read_value()
+
+    def num_accumulated(self):
+        """int64 scalar tensor: gradients accepted since the last take."""
+        return self._count.read_value()
+
+    def num_dropped(self):
+        """int64 scalar tensor: stale gradients dropped over the lifetime."""
+        return self._dropped.read_value()
+
+    def set_global_step(self, new_global_step):
+        """Sets the global step, e.g. to the trainer's own step counter.
+
+        As in TF1, any value is accepted, including one lower than the current
+        step (which makes gradients that were stale acceptable again). The
+        accumulated sum and count are left as they are.
+
+        Args:
+          new_global_step: integer scalar (Python int or integer tensor).
+
+        Raises:
+          TypeError: ``new_global_step`` is not an integer.
+        """
+        self._global_step.assign(_as_step(new_global_step, "new_global_step"))
+
+    def apply_grad(self, grad, local_step=0):
+        """Adds ``grad`` unless it is stale (``local_step < global_step``).
+
+        Args:
+          grad: a dense tensor (or array-like) of the accumulator's shape and
+            dtype, or a ``tf.IndexedSlices`` whose rows index the first axis;
+            slices are scatter-added (duplicate indices add up) without ever
+            building the dense gradient. Under XLA, out-of-range indices are
+            ignored rather than reported, as XLA scatter does.
+          local_step: integer scalar, the global step at which the parameters
+            behind ``grad`` were read. See the class docstring.
+
+        Returns:
+          A boolean scalar tensor: ``True`` if ``grad`` was accumulated, ``False``
+          if it was dropped as stale.
+
+        Raises:
+          TypeError: ``grad`` has another dtype, or ``local_step`` is not an
+            integer.
+          ValueError: ``grad``'s static shape is not the accumulator's shape.
+        """
+        local_step = _as_step(local_step, "local_step")
+        if isinstance(grad, tf.IndexedSlices):
+            grad = self._check_slices(grad)
+
+            def add():
+                self._sum.scatter_add(grad)
+                self._count.assign_add(tf.constant(1, tf.int64))
+                return tf.constant(True)
+        else:
+            grad = self._check_dense(grad)
+
+            def add():
+                self._sum.assign_add(grad)
+                self._count.assign_add(tf.constant(1, tf.int64))
+                return tf.constant(True)
+
+        def drop():
+            self._dropped.assign_add(tf.constant(1, tf.int64))
+            return tf.constant(False)
+
+        return tf.cond(local_step >= self._global_step, add, drop)
+
+    def take_grad(self, num_required):
+        """Returns the reduced gradient if at least ``num_required`` are in.
+
+        Unlike TF1 this never blocks. When ready, the sum and count reset to
+        zero and the global step increases by one (the caller is expected to
+        update the parameters with ``value``, making older gradients stale).
+
+        Args:
+          num_required: how many accepted gradients are needed, an integer >= 1.
+            A tensor value below 1 is treated as 1 (it cannot be checked without
+            a host round trip under XLA).
+
+        Returns:
+          ``(value, ready)``: ``value`` is the average (``"MEAN"``) or sum
+          (``"SUM"``) of the accumulated gradients, or zeros when not ready;
+          ``ready`` is a boolean scalar tensor.
+
+        Raises:
+          ValueError: ``num_required`` is statically known and below 1.
+          TypeError: ``num_required`` is not an integer.
+        """
+        num_required = _check_num_required(num_required)
+        ready = self._count >= num_required
+
+        def take():
+            value = self._sum.read_value()
+            if self._reduction == "MEAN":
+                value = value / tf.cast(self._count, self._dtype)
+            # Automatic control dependencies order these after the reads above.
+            self._sum.assign(tf.zeros(self._shape, self._dtype))
+            self._count.assign(tf.constant(0, tf.int64))
+            self._global_step.assign_add(tf.constant(1, tf.int64))
+            return value
+
+        def wait():
+            return tf.zeros(self._shape, self._dtype)
+
+        return tf.cond(ready, take, wait), ready
+
+    def _check_dense(self, grad):
+        if isinstance(grad, (tf.Tensor, tf.Variable)) and grad.dtype != self._dtype:
+            raise TypeError(
+                f"`grad` must have the accumulator's dtype {self._dtype.name}. "
+                f"Received: grad with dtype {grad.dtype.name}")
+        grad = tf.convert_to_tensor(grad, dtype=self._dtype)
+        if not grad.shape.is_compatible_with(self._shape):
+            raise ValueError(
+                f"`grad` must have the accumulator's shape {self._shape}. "
+                f"Received: grad with shape {grad.shape}")
+        # A partly unknown static shape (tf.function without a full signature)
+        # is checked when it runs; XLA shapes are always static.
+        return tf.ensure_shape(grad, self._shape)
+
+    def _check_slices(self, grad):
+        if self._shape.rank == 0:
+            raise ValueError(
+                "`grad` can be tf.IndexedSlices only for an accumulator of rank "
+                ">= 1. Received: IndexedSlices for a scalar accumulator")
+        if grad.values.dtype != self._dtype:
+            raise TypeError(
+                f"`grad` must have the accumulator's dtype {self._dtype.name}. "
+                f"Received: IndexedSlices with values dtype "
+                f"{grad.values.dtype.name}")
+        row_shape = self._shape[1:]
+        if (grad.values.shape.rank is not None and not
+                grad.values.shape[1:].is_compatible_with(row_shape)) or (
+                    grad.values.shape.rank not in (None, self._shape.rank)):
+            raise ValueError(
+                f"`grad` IndexedSlices values must have shape [n] + {row_shape} "
+                f"for an accumulator of shape {self._shape}. Received: values "
+                f"with shape {grad.values.shape}")
+        dense_shape = (None if grad.dense_shape is None
+                       else tf.get_static_value(grad.dense_shape))
+        if dense_shape is not None and list(dense_shape) != self._shape.as_list():
+            raise ValueError(
+                f"`grad` IndexedSlices dense_shape must be the accumulator's shape "
+                f"{self._shape}. Received: dense_shape={list(dense_shape)}")
+        return grad
+
+
+def _counter(name):
+    return tf.Variable(tf.constant(0, tf.int64), trainable=False, name=name)
+
+
+def _check_dtype(dtype):
+    try:
+        as_dtype = tf.as_dtype(dtype)
+    except TypeError:
+        as_dtype = None
+    if as_dtype is None or not as_dtype.is_floating:
+        raise TypeError(
+            "`dtype` must be a floating dtype (float16, bfloat16, float32, "
+            f"float64). Received: dtype={dtype!r}")
+    return as_dtype
+
+
+def _check_shape(shape):
+    try:
+        static = tf.TensorShape(shape)
+    except (TypeError, ValueError):
+        static = None
+    if static is None or not static.is_fully_defined():
+        raise ValueError(
+            "`shape` must be fully defined (a list of non-negative ints, [] "
+            f"for a scalar). Received: shape={shape!r}")
+    return static
+
+
+def _as_step(step, arg_name):
+    step = tf.convert_to_tensor(step)
+    if not step.dtype.is_integer or step.shape.rank not in (None, 0):
+        raise TypeError(
+            f"`{arg_name}` must be an integer scalar. Received: {arg_name} with "
+            f"dtype {step.dtype.name} and shape {step.shape}")
+    return tf.cast(step, tf.int64)
+
+
+def _check_num_required(num_required):
+    if isinstance(num_required, bool):
+        raise TypeError(
+            "`num_required` must be an integer >= 1. Received: "
+            f"num_required={num_required!r}")
+    num_required = _as_step(num_required, "num_required")
+    static = tf.get_static_value(num_required)
+    if static is not None and static < 1:
+        raise ValueError(
+            "`num_required` must be an integer >= 1. Received: "
+            f"num_required={static}")
+    return tf.maximum(num_required, tf.constant(1, tf.int64))

@@ -1,0 +1,5 @@
+"""tf_gradkit for tf_keras (the Keras 2 line tfmot needs). Imports tf_keras only."""
+
+from tf_gradkit.tf_keras.gradient_accumulator import GradientAccumulator
+
+__all__ = ["GradientAccumulator"]
