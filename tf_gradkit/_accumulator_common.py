@@ -1,5 +1,8 @@
 """What both GradientAccumulator adapters share, none of it Keras-specific.
 
+- `AccumulatorMixin`: the wrapper's behaviour, written against five adapter
+  hooks (`_make_variable`, `_inner_apply`, `_inner_is_loss_scale`, plus the host
+  optimizer's `_var_key` and `_trainable_variables`);
 - argument validation (so both flavours reject bad input with the same words);
 - the model hooks: the batch size seen by ``train_step`` (for ``reduction=
   "example"`` under ``model.fit``) and an epoch-end callback added to
@@ -13,6 +16,8 @@ import weakref
 
 import tensorflow as tf
 
+from tf_gradkit.core import accumulation
+from tf_gradkit.core import windowed_apply
 from tf_gradkit.core.accumulation import REDUCTIONS
 
 EPOCH_END_POLICIES = ("apply", "carry", "drop")
@@ -137,3 +142,178 @@ class ModelHooks:
     def _model_uses(self, optimizer):
         model = self._model_ref()
         return model is not None and getattr(model, "optimizer", None) is optimizer
+
+
+class AccumulatorMixin:
+    """The flavour-independent half of ``GradientAccumulator``.
+
+    Adapters provide ``_make_variable(reference, name, per_replica, dtype)``
+    returning a ``tf.Variable``, ``_inner_apply(grads, variables)``,
+    ``_inner_is_loss_scale()``, ``_var_key`` and ``_trainable_variables``.
+    """
+
+    def _init_accumulator(self, optimizer, steps, reduction, model, epoch_end,
+                          nonfinite, callback_base):
+        self.inner_optimizer = optimizer
+        self.steps = steps
+        self.reduction = reduction
+        self.epoch_end = epoch_end
+        self.nonfinite = nonfinite
+        self._hooks = None
+        if model is not None:
+            self._hooks = ModelHooks.install(model, self, callback_base)
+
+    def _make_scalar(self, dtype, name, per_replica):
+        return self._make_variable(
+            tf.TensorSpec((), dtype), name, per_replica, dtype=dtype)
+
+    def _build_accumulator(self, var_list):
+        self._state = accumulation.init_accumulation(
+            var_list, self._make_variable, self._make_scalar)
+        self._micro_steps = self._make_scalar(tf.int64, "micro_steps", False)
+        self._dropped = self._make_scalar(tf.int64, "dropped_gradients", False)
+        self._skipped = self._make_scalar(tf.int64, "skipped_windows", False)
+
+    def _accumulate(self, grads, variables, sample_count, local_step):
+        """One micro-step; called in replica context once built."""
+        grads = list(grads)
+        variables = list(variables)
+        validate_grads_and_vars(grads, variables)
+        if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
+            raise ValueError(
+                "GradientAccumulator.apply_gradients must be called in replica "
+                "context, i.e. inside `strategy.run`.")
+        grads = self._align(grads, variables)
+        if self.nonfinite == "raise":
+            grads = _check_numerics(grads)
+        weight = micro_batch_weight(self.reduction, sample_count, self._hooks)
+        accept = True
+        if local_step is not None:
+            accept = tf.cast(local_step, tf.int64) >= tf.cast(
+                self.iterations, tf.int64)
+        has_grad = [g is not None for g in grads]
+        windowed_apply.micro_step(
+            self._state, grads, weight=weight, accept=accept, steps=self.steps,
+            apply_window=lambda total: self._apply_window(total, has_grad),
+            skip_window=lambda: self._skip_window(has_grad),
+            count_dropped=lambda: self._dropped.assign_add(1))
+        self._micro_steps.assign_add(tf.cast(accept, tf.int64))
+
+    def _align(self, grads, variables):
+        """Orders gradients like the variables the optimizer was built with."""
+        by_key = {}
+        for g, v in zip(grads, variables):
+            key = self._var_key(v)
+            if key not in self._known_keys():
+                raise ValueError(
+                    f"GradientAccumulator: unknown variable {v.name}; the "
+                    "optimizer was built for other variables. Create a new "
+                    "GradientAccumulator for a new set of variables.")
+            by_key[key] = g
+        return [by_key.get(self._var_key(v)) for v in self._trainable_variables]
+
+    def _known_keys(self):
+        return {self._var_key(v) for v in self._trainable_variables}
+
+    def _window_grads(self, total_weight, has_grad):
+        grads = accumulation.window_gradients(
+            self._state, self.reduction, total_weight,
+            tf.distribute.get_strategy().num_replicas_in_sync)
+        return [g if h else None for g, h in zip(grads, has_grad)]
+
+    def _apply_window(self, total_weight, has_grad):
+        grads = self._window_grads(total_weight, has_grad)
+        pairs = [(g, v) for g, v in zip(grads, self._trainable_variables)
+                 if g is not None]
+        self._inner_apply([g for g, _ in pairs], [v for _, v in pairs])
+        accumulation.reset(self._state)
+
+    def _skip_window(self, has_grad):
+        if self._inner_is_loss_scale():
+            # Let the loss-scale optimizer see the overflow: it lowers its
+            # scale and skips the update itself, leaving the inner state as is.
+            self._apply_window(self._state.weight.read_value(), has_grad)
+        else:
+            accumulation.reset(self._state)
+        self._skipped.assign_add(1)
+
+    # ------------------------------------------------------ window control
+    def flush(self):
+        """Applies a partially filled window now (no-op when it is empty).
+
+        For custom loops at the end of the data; ``model.fit`` with
+        ``model=`` does this at each epoch end when ``epoch_end="apply"``.
+        Call it eagerly, in ``tf.function``, or in ``strategy.run``.
+        """
+        self._run_in_replicas(self._flush_in_replica)
+
+    def discard(self):
+        """Drops whatever the open window holds; weights and state unchanged."""
+        self._run_in_replicas(lambda: accumulation.reset(self._state))
+
+    def end_epoch(self):
+        """Applies the ``epoch_end`` policy: "apply", "carry" or "drop"."""
+        if self.epoch_end == "apply":
+            self.flush()
+        elif self.epoch_end == "drop":
+            self.discard()
+
+    def _flush_in_replica(self):
+        has_grad = [True] * len(self._trainable_variables)
+        windowed_apply.micro_step(
+            self._state, [None] * len(has_grad), weight=None, accept=True,
+            steps=self.steps, force=True,
+            apply_window=lambda total: self._apply_window(total, has_grad),
+            skip_window=lambda: self._skip_window(has_grad),
+            count_dropped=lambda: None)
+
+    def _run_in_replicas(self, fn):
+        if not getattr(self, "_state", None):
+            return  # never built: nothing accumulated
+        if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
+            tf.distribute.get_strategy().run(fn)
+        else:
+            fn()
+
+    # ------------------------------------------------------------ reporting
+    @property
+    def micro_steps(self):
+        """Micro-batches accepted so far (all windows)."""
+        return self._micro_steps
+
+    @property
+    def window_micro_step(self):
+        """Micro-batches in the open window."""
+        return self._state.micro_step
+
+    @property
+    def dropped_gradients(self):
+        """Gradients dropped as stale (``local_step`` < ``iterations``)."""
+        return self._dropped
+
+    @property
+    def skipped_windows(self):
+        """Windows discarded because a micro-batch had a NaN or Inf."""
+        return self._skipped
+
+    def _accumulator_config(self):
+        return {
+            "name": self.name,
+            "steps": self.steps,
+            "reduction": self.reduction,
+            "epoch_end": self.epoch_end,
+            "nonfinite": self.nonfinite,
+        }
+
+
+def _check_numerics(grads):
+    message = "GradientAccumulator(nonfinite='raise'): non-finite gradient"
+    out = []
+    for g in grads:
+        if isinstance(g, tf.IndexedSlices):
+            g = tf.IndexedSlices(tf.debugging.check_numerics(g.values, message),
+                                 g.indices, g.dense_shape)
+        elif g is not None:
+            g = tf.debugging.check_numerics(g, message)
+        out.append(g)
+    return out

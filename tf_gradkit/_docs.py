@@ -65,3 +65,16 @@ def wrong_optimizer(optimizer, flavour):
         f"{'Keras 3 (keras.optimizers.Optimizer)' if flavour == 'keras3' else 'tf_keras (tf_keras.optimizers.Optimizer)'}"
         f" optimizer. Received: optimizer={kind}. For an optimizer of the "
         f"other flavour use tf_gradkit.{other}.GradientAccumulator.")
+
+
+def unexpected_kwargs(kwargs):
+    return (
+        f"GradientAccumulator: unexpected arguments {sorted(kwargs)}; accepted "
+        "are optimizer, steps, reduction, model, epoch_end, nonfinite, name. "
+        "Set learning rate, clipping, weight decay and EMA on the inner "
+        "optimizer.")
+
+
+def wrong_model(model, accepted):
+    return (f"GradientAccumulator: `model` must be a {accepted}. Received: "
+            f"model={type(model).__module__}.{type(model).__name__}")

@@ -1,0 +1,116 @@
+"""GradientAccumulator for tf_keras (Keras 2 line): the thin adapter.
+
+Only what tf_keras does differently lives here: plain ``tf.Variable`` state in
+``_variables``, ``apply_gradients(grads_and_vars)``, ``minimize`` through
+``compute_gradients`` (where its LossScaleOptimizer scales the loss and
+unscales the gradients, so the window accumulates unscaled gradients), and its
+serialisation. Legacy ``tf_keras.optimizers.legacy`` optimizers are not
+accepted: they predate the distribution-aware API this wrapper relies on.
+"""
+
+import tensorflow as tf
+import tf_keras
+
+from tf_gradkit import _accumulator_common as common
+from tf_gradkit import _docs
+
+_LossScaleOptimizer = tf_keras.mixed_precision.LossScaleOptimizer
+
+
+@tf_keras.saving.register_keras_serializable(package="tf_gradkit")
+class GradientAccumulator(common.AccumulatorMixin, tf_keras.optimizers.Optimizer):
+    __doc__ = _docs.GRADIENT_ACCUMULATOR.format(flavour="tf_keras", K="tf_keras")
+
+    def __init__(self, optimizer, steps, reduction="example", model=None,
+                 epoch_end="apply", nonfinite="skip", name=None, **kwargs):
+        if kwargs:
+            raise TypeError(_docs.unexpected_kwargs(kwargs))
+        common.validate_arguments(steps, reduction, epoch_end, nonfinite)
+        if not isinstance(optimizer, (tf_keras.optimizers.Optimizer,
+                                      _LossScaleOptimizer)):
+            raise TypeError(_docs.wrong_optimizer(optimizer, "tf_keras"))
+        if model is not None and not isinstance(model, tf_keras.Model):
+            raise TypeError(_docs.wrong_model(model, "tf_keras.Model"))
+        super().__init__(name=name or "gradient_accumulator")
+        self._init_accumulator(optimizer, steps, reduction, model, epoch_end,
+                               nonfinite, tf_keras.callbacks.Callback)
+
+    def _make_variable(self, reference, name, per_replica=True, dtype=None):
+        with self._distribution_strategy.scope():
+            var = tf.Variable(
+                tf.zeros(reference.shape, dtype or reference.dtype),
+                trainable=False, name=name,
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=(tf.VariableAggregation.SUM if per_replica else
+                             tf.VariableAggregation.ONLY_FIRST_REPLICA))
+        self._variables.append(var)
+        return var
+
+    def build(self, var_list):
+        super().build(var_list)
+        if getattr(self, "_built", False):
+            return
+        var_list = list(var_list)
+        self.inner_optimizer.build(var_list)  # idempotent in tf_keras
+        self._trainable_variables = var_list
+        self._build_accumulator(var_list)
+        self._built = True
+
+    @property
+    def variables(self):
+        return tf_keras.src.optimizers.optimizer.CallableList(
+            list(self._variables) + list(self.inner_optimizer.variables))
+
+    def compute_gradients(self, loss, var_list, tape=None):
+        return self.inner_optimizer.compute_gradients(loss, var_list, tape=tape)
+
+    def apply_gradients(self, grads_and_vars, name=None,
+                        skip_gradients_aggregation=False, sample_count=None,
+                        local_step=None, **kwargs):
+        del name, skip_gradients_aggregation, kwargs  # aggregation: at the window
+        grads_and_vars = list(grads_and_vars)
+        if not grads_and_vars:
+            return self.iterations
+        grads, variables = zip(*grads_and_vars)
+        with tf.init_scope():
+            self.build(variables)
+        self._accumulate(grads, variables, sample_count, local_step)
+        return self.iterations
+
+    def _inner_apply(self, grads, variables):
+        self.inner_optimizer.apply_gradients(zip(grads, variables))
+
+    def _inner_is_loss_scale(self):
+        return isinstance(self.inner_optimizer, _LossScaleOptimizer)
+
+    @property
+    def iterations(self):
+        """Real (inner) updates: schedules and checkpoints see real steps."""
+        return self.inner_optimizer.iterations
+
+    @iterations.setter
+    def iterations(self, variable):
+        self.inner_optimizer.iterations = variable
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def get_config(self):
+        config = self._accumulator_config()
+        config["optimizer"] = tf_keras.optimizers.serialize(self.inner_optimizer)
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = tf_keras.optimizers.deserialize(
+            config.pop("optimizer"), custom_objects=custom_objects)
+        return cls(inner, **config)
