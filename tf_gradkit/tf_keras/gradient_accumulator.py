@@ -8,6 +8,8 @@ serialisation. Legacy ``tf_keras.optimizers.legacy`` optimizers are not
 accepted: they predate the distribution-aware API this wrapper relies on.
 """
 
+import contextlib
+
 import tensorflow as tf
 import tf_keras
 
@@ -36,7 +38,9 @@ class GradientAccumulator(common.AccumulatorMixin, tf_keras.optimizers.Optimizer
                                nonfinite, tf_keras.callbacks.Callback)
 
     def _make_variable(self, reference, name, per_replica=True, dtype=None):
-        with self._distribution_strategy.scope():
+        scope = (contextlib.nullcontext() if tf.distribute.has_strategy()
+                 else self._distribution_strategy.scope())
+        with scope:
             var = tf.Variable(
                 tf.zeros(reference.shape, dtype or reference.dtype),
                 trainable=False, name=name,
