@@ -1,0 +1,77 @@
+"""Small models and loops shared by the tests (flavour-agnostic: pass `K`)."""
+
+import numpy as np
+import tensorflow as tf
+
+from conftest import compile_fn
+
+
+def regression_data(n=26, d=3, seed=0):
+    rng = np.random.RandomState(seed)
+    x = rng.randn(n, d).astype("float32")
+    y = (np.sin(x @ rng.randn(d, 1)) + 0.1 * rng.randn(n, 1)).astype("float32")
+    return x, y
+
+
+def mlp(K, d=3, hidden=4, seed=1):
+    """A d-hidden-1 tanh MLP with weights fixed by `seed` (not by Keras RNG)."""
+    model = K.Sequential([
+        K.Input((d,)),
+        K.layers.Dense(hidden, activation="tanh"),
+        K.layers.Dense(1),
+    ])
+    rng = np.random.RandomState(seed)
+    model.set_weights([rng.randn(*w.shape).astype("float32") * 0.5
+                       for w in model.get_weights()])
+    return model
+
+
+def embedding_model(K, vocab=50, dim=4, seq=5, seed=2):
+    model = K.Sequential([
+        K.Input((seq,), dtype="int32"),
+        K.layers.Embedding(vocab, dim),
+        K.layers.GlobalAveragePooling1D(),
+        K.layers.Dense(1),
+    ])
+    rng = np.random.RandomState(seed)
+    model.set_weights([rng.randn(*w.shape).astype("float32") * 0.5
+                       for w in model.get_weights()])
+    return model
+
+
+def mse_grads(model, x, y):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
+    return loss, tape.gradient(loss, model.trainable_variables)
+
+
+def make_train_step(model, optimizer, mode):
+    """A custom GradientTape step, eager / tf.function / jit_compile."""
+
+    def step(x, y, **kwargs):
+        loss, grads = mse_grads(model, x, y)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables), **kwargs)
+        return loss
+
+    return compile_fn(step, mode)
+
+
+def max_abs_diff(a_list, b_list):
+    return max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+               for a, b in zip(a_list, b_list))
+
+
+def weights_of(model):
+    return [w.numpy() for w in model.weights]
+
+
+def variables_of(optimizer):
+    return [np.array(v.numpy()) for v in optimizer.variables]
+
+
+# float32 round-off bound for these tiny problems: a handful of updates of
+# O(0.1) on O(1) weights, each summing <= 26 per-example terms at relative
+# error 2^-24 ~ 6e-8; 1e-5 leaves room for the different summation orders
+# (micro-batch sums vs one big reduction) without hiding a wrong weighting,
+# which shows up at 1e-2 or more.
+ROUNDOFF = 1e-5

@@ -1,0 +1,458 @@
+"""GradientAccumulator behaviour users rely on, under the process's flavour.
+
+Run once per flavour by `make test`; every test here goes through both the
+Keras 3 and the tf_keras adapter that way.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import FLAVOUR, MODES, compile_fn
+from helpers import (ROUNDOFF, embedding_model, make_train_step, max_abs_diff,
+                     mlp, mse_grads, regression_data, variables_of, weights_of)
+
+INNER = {
+    "sgd": lambda K: K.optimizers.SGD(0.1),
+    "momentum": lambda K: K.optimizers.SGD(0.1, momentum=0.9),
+    "adam": lambda K: K.optimizers.Adam(0.05),
+    "adamw": lambda K: K.optimizers.AdamW(0.05, weight_decay=0.05),
+}
+# Micro-batches of 12, 12 and a short 2: a window the big batch of 26 matches.
+SPLITS = [(0, 12), (12, 24), (24, 26)]
+
+
+def _big_batch_reference(K, inner, x, y, updates):
+    model = mlp(K)
+    opt = INNER[inner](K)
+    for _ in range(updates):
+        _, grads = mse_grads(model, x, y)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+    return model, opt
+
+
+@pytest.mark.parametrize("inner", sorted(INNER))
+def test_window_equals_big_batch_with_short_last_microbatch(K, gk, inner, mode):
+    x, y = regression_data()
+    ref, ref_opt = _big_batch_reference(K, inner, x, y, updates=2)
+    model = mlp(K)
+    opt = gk.GradientAccumulator(INNER[inner](K), steps=3)
+    step = make_train_step(model, opt, mode)
+    for _ in range(2):
+        for a, b in SPLITS:
+            step(x[a:b], y[a:b], sample_count=b - a)
+    assert max_abs_diff(weights_of(ref), weights_of(model)) < ROUNDOFF
+    assert int(opt.iterations) == 2 == int(ref_opt.iterations)
+    assert int(opt.micro_steps) == 6
+
+
+def test_microbatch_reduction_weights_microbatches_equally(K, gk, mode):
+    x, y = regression_data()
+    model = mlp(K)
+    opt = gk.GradientAccumulator(K.optimizers.SGD(1.0), steps=3,
+                                 reduction="microbatch")
+    step = make_train_step(model, opt, mode)
+    expected = [w.numpy() for w in model.trainable_variables]
+    grads_each = [mse_grads(model, x[a:b], y[a:b])[1] for a, b in SPLITS]
+    for i in range(len(expected)):
+        expected[i] = expected[i] - np.mean([g[i].numpy() for g in grads_each], 0)
+    for a, b in SPLITS:
+        step(x[a:b], y[a:b], sample_count=b - a)  # ignored: "microbatch"
+    got = [w.numpy() for w in model.trainable_variables]
+    assert max_abs_diff(expected, got) < ROUNDOFF
+
+
+def test_sum_reduction_sums(K, gk, mode):
+    x, y = regression_data()
+    model = mlp(K)
+    opt = gk.GradientAccumulator(K.optimizers.SGD(0.1), steps=3, reduction="sum")
+    step = make_train_step(model, opt, mode)
+    grads_each = [mse_grads(model, x[a:b], y[a:b])[1] for a, b in SPLITS]
+    expected = [w.numpy() - 0.1 * sum(g[i].numpy() for g in grads_each)
+                for i, w in enumerate(model.trainable_variables)]
+    for a, b in SPLITS:
+        step(x[a:b], y[a:b])
+    assert max_abs_diff(expected, [w.numpy() for w in model.trainable_variables]) < ROUNDOFF
+
+
+def test_inner_optimizer_untouched_between_updates(K, gk, mode):
+    x, y = regression_data()
+    model = mlp(K)
+    inner = K.optimizers.Adam(0.05)
+    opt = gk.GradientAccumulator(inner, steps=4)
+    step = make_train_step(model, opt, mode)
+    step(x[:8], y[:8])
+    inner_before = [np.array(v.numpy()) for v in inner.variables]
+    weights_before = weights_of(model)
+    step(x[8:16], y[8:16])
+    step(x[16:24], y[16:24])
+    assert max_abs_diff(inner_before, [v.numpy() for v in inner.variables]) == 0
+    assert max_abs_diff(weights_before, weights_of(model)) == 0
+    assert int(opt.iterations) == 0 and int(opt.window_micro_step) == 3
+    step(x[24:], y[24:])
+    assert int(opt.iterations) == 1 and int(opt.window_micro_step) == 0
+
+
+def test_learning_rate_schedule_sees_real_steps(K, gk):
+    x, y = regression_data()
+    model = mlp(K)
+    schedule = K.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1,
+                                                       decay_rate=0.5)
+    opt = gk.GradientAccumulator(K.optimizers.SGD(schedule), steps=4)
+    step = make_train_step(model, opt, "function")
+    for i in range(8):
+        step(x[i * 3:i * 3 + 3], y[i * 3:i * 3 + 3])
+    assert int(opt.iterations) == 2
+    assert int(opt.micro_steps) == 8
+    lr_now = float(schedule(opt.iterations))
+    assert lr_now == pytest.approx(0.1 * 0.25)
+
+
+def test_stale_gradients_are_dropped_and_counted(K, gk, mode):
+    x, y = regression_data()
+    model = mlp(K)
+    opt = gk.GradientAccumulator(K.optimizers.SGD(0.1), steps=2)
+    step = make_train_step(model, opt, mode)
+    step(x[:8], y[:8], local_step=0)
+    step(x[8:16], y[8:16], local_step=0)        # window closes: iterations 1
+    assert int(opt.iterations) == 1
+    before = weights_of(model)
+    step(x[:8], y[:8], local_step=0)            # stale: computed before update 1
+    assert int(opt.dropped_gradients) == 1
+    assert int(opt.window_micro_step) == 0
+    assert max_abs_diff(before, weights_of(model)) == 0
+    step(x[:8], y[:8], local_step=1)
+    step(x[8:16], y[8:16], local_step=1)
+    assert int(opt.iterations) == 2
+    assert int(opt.micro_steps) == 4
+
+
+def test_nonfinite_microbatch_skips_whole_window(K, gk, mode):
+    x, y = regression_data()
+    model = mlp(K)
+    inner = K.optimizers.Adam(0.05)
+    opt = gk.GradientAccumulator(inner, steps=2)
+    step = make_train_step(model, opt, mode)
+    step(x[:8], y[:8])
+    step(x[8:16], y[8:16])  # one real update, so Adam has state to protect
+    weights = weights_of(model)
+    state = [np.array(v.numpy()) for v in inner.variables]
+    bad_y = y[:8].copy()
+    bad_y[0] = np.nan
+    step(x[:8], bad_y)
+    step(x[8:16], y[8:16])
+    assert int(opt.skipped_windows) == 1
+    assert max_abs_diff(weights, weights_of(model)) == 0
+    assert max_abs_diff(state, [v.numpy() for v in inner.variables]) == 0
+    step(x[:8], y[:8])
+    step(x[8:16], y[8:16])
+    assert int(opt.iterations) == 2
+    assert all(np.isfinite(w).all() for w in weights_of(model))
+
+
+@pytest.mark.parametrize("mode_", ["eager", "function"])
+def test_nonfinite_raise_policy(K, gk, mode_):
+    x, y = regression_data()
+    model = mlp(K)
+    opt = gk.GradientAccumulator(K.optimizers.SGD(0.1), steps=2, nonfinite="raise")
+    step = make_train_step(model, opt, mode_)
+    bad_y = y[:8].copy()
+    bad_y[0] = np.inf
+    with pytest.raises(tf.errors.InvalidArgumentError, match="non-finite"):
+        step(x[:8], bad_y)
+
+
+def test_sparse_gradients_accumulate_like_dense(K, gk, mode):
+    rng = np.random.RandomState(3)
+    x = rng.randint(0, 50, size=(12, 5)).astype("int32")
+    y = rng.randn(12, 1).astype("float32")
+    ref = embedding_model(K)
+    ref_opt = K.optimizers.SGD(0.5)
+    _, grads = mse_grads(ref, x, y)
+    assert isinstance(grads[0], tf.IndexedSlices)
+    ref_opt.apply_gradients(zip(grads, ref.trainable_variables))
+
+    model = embedding_model(K)
+    opt = gk.GradientAccumulator(K.optimizers.SGD(0.5), steps=3)
+    step = make_train_step(model, opt, mode)
+    for a, b in [(0, 4), (4, 8), (8, 12)]:
+        step(x[a:b], y[a:b], sample_count=b - a)
+    assert max_abs_diff(weights_of(ref), weights_of(model)) < ROUNDOFF
+
+
+def test_flush_applies_partial_window_weighted_by_content(K, gk, mode):
+    x, y = regression_data()
+    ref, _ = _big_batch_reference(K, "adam", x[:20], y[:20], updates=1)
+    model = mlp(K)
+    opt = gk.GradientAccumulator(INNER["adam"](K), steps=4)
+    step = make_train_step(model, opt, mode)
+    step(x[:12], y[:12], sample_count=12)
+    step(x[12:20], y[12:20], sample_count=8)
+    compile_fn(opt.flush, mode)()
+    assert int(opt.iterations) == 1 and int(opt.window_micro_step) == 0
+    assert max_abs_diff(weights_of(ref), weights_of(model)) < ROUNDOFF
+    opt.flush()  # empty window: nothing happens
+    assert int(opt.iterations) == 1
+
+
+def test_discard_drops_partial_window(K, gk):
+    x, y = regression_data()
+    model = mlp(K)
+    opt = gk.GradientAccumulator(K.optimizers.Adam(0.05), steps=4)
+    step = make_train_step(model, opt, "function")
+    before = weights_of(model)
+    step(x[:8], y[:8])
+    opt.discard()
+    assert int(opt.window_micro_step) == 0
+    for i in range(4):
+        step(x[i * 6:i * 6 + 6], y[i * 6:i * 6 + 6])
+    assert int(opt.iterations) == 1
+    assert max_abs_diff(before, weights_of(model)) > 1e-3
+
+
+# ----------------------------------------------------------------- model.fit
+@pytest.mark.parametrize("jit", [False, True])
+def test_fit_with_model_weights_by_batch_size_and_applies_at_epoch_end(K, gk, jit):
+    x, y = regression_data()  # 26 examples: batches 8, 8, 8, 2
+    ref, _ = _big_batch_reference(K, "adam", x, y, updates=2)
+    model = mlp(K)
+    opt = gk.GradientAccumulator(INNER["adam"](K), steps=4, model=model)
+    model.compile(optimizer=opt, loss="mse", jit_compile=jit)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert int(opt.iterations) == 2
+    assert max_abs_diff(weights_of(ref), weights_of(model)) < ROUNDOFF
+
+
+@pytest.mark.parametrize("policy,updates,left", [("apply", 2, 0), ("carry", 1, 2), ("drop", 0, 0)])
+def test_epoch_end_policies_under_fit(K, gk, policy, updates, left):
+    x, y = regression_data(n=24)  # 3 batches of 8 per epoch, windows of 4
+    model = mlp(K)
+    opt = gk.GradientAccumulator(K.optimizers.SGD(0.1), steps=4, model=model,
+                                 epoch_end=policy)
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert int(opt.iterations) == updates
+    assert int(opt.window_micro_step) == left
+
+
+def test_fit_without_model_counts_each_microbatch_once(K, gk):
+    x, y = regression_data(n=32)
+    ref = mlp(K)
+    ref.compile(optimizer=K.optimizers.SGD(0.1), loss="mse")
+    ref.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    model = mlp(K)
+    model.compile(optimizer=gk.GradientAccumulator(K.optimizers.SGD(0.1), steps=4),
+                  loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert max_abs_diff(weights_of(ref), weights_of(model)) < ROUNDOFF
+
+
+# ------------------------------------------------------------ checkpointing
+def test_checkpoint_resume_mid_window_continues_exactly(K, gk, tmp_path):
+    x, y = regression_data()
+
+    def run(model, opt, calls):
+        step = make_train_step(model, opt, "function")
+        for i in calls:
+            step(x[i * 4:i * 4 + 4], y[i * 4:i * 4 + 4], sample_count=4)
+
+    full = mlp(K)
+    full_opt = gk.GradientAccumulator(K.optimizers.Adam(0.05), steps=3)
+    run(full, full_opt, range(5))
+
+    first = mlp(K)
+    first_opt = gk.GradientAccumulator(K.optimizers.Adam(0.05), steps=3)
+    run(first, first_opt, range(4))  # one update + one micro-batch pending
+    path = tf.train.Checkpoint(model=first, optimizer=first_opt).save(
+        str(tmp_path / "ckpt"))
+
+    resumed = mlp(K, seed=9)
+    resumed_opt = gk.GradientAccumulator(K.optimizers.Adam(0.05), steps=3)
+    resumed_opt.build(resumed.trainable_variables)
+    tf.train.Checkpoint(model=resumed, optimizer=resumed_opt).restore(
+        path).assert_existing_objects_matched()
+    assert int(resumed_opt.window_micro_step) == 1
+    run(resumed, resumed_opt, [4])
+    assert int(resumed_opt.iterations) == 1
+    run(resumed, resumed_opt, [5])
+    run(full, full_opt, [5])
+    assert int(resumed_opt.iterations) == 2
+    assert max_abs_diff(weights_of(full), weights_of(resumed)) < ROUNDOFF
+
+
+def test_config_round_trip_and_model_save_load(K, gk, tmp_path):
+    x, y = regression_data()
+    opt = gk.GradientAccumulator(K.optimizers.Adam(0.05), steps=3,
+                                 reduction="microbatch", epoch_end="carry",
+                                 nonfinite="raise")
+    clone = gk.GradientAccumulator.from_config(opt.get_config())
+    assert clone.get_config() == opt.get_config()
+    assert clone.steps == 3 and clone.reduction == "microbatch"
+
+    model = mlp(K)
+    model.compile(optimizer=gk.GradientAccumulator(K.optimizers.Adam(0.05),
+                                                   steps=3), loss="mse")
+    model.fit(x[:16], y[:16], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = K.models.load_model(path)
+    assert isinstance(loaded.optimizer, gk.GradientAccumulator)
+    assert int(loaded.optimizer.iterations) == 1
+    assert int(loaded.optimizer.window_micro_step) == 1
+    assert max_abs_diff(variables_of(model.optimizer), variables_of(loaded.optimizer)) == 0
+
+
+# ------------------------------------------------------------ distribution
+@pytest.mark.distributed
+@pytest.mark.parametrize("steps_per_replica_batch", [(4, 8)])
+def test_mirrored_strategy_fit_equals_single_device(K, gk, two_cpus,
+                                                    steps_per_replica_batch):
+    steps, batch = steps_per_replica_batch
+    x, y = regression_data(n=64)
+    ref = mlp(K)
+    ref.compile(optimizer=K.optimizers.Adam(0.05), loss="mse")
+    ref.fit(x, y, batch_size=steps * batch, epochs=2, shuffle=False, verbose=0)
+    strategy = tf.distribute.MirroredStrategy(two_cpus)
+    with strategy.scope():
+        model = mlp(K)
+        opt = gk.GradientAccumulator(K.optimizers.Adam(0.05), steps=steps,
+                                     model=model)
+        model.compile(optimizer=opt, loss="mse")
+    model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    assert int(opt.iterations) == 4
+    assert max_abs_diff(weights_of(ref), weights_of(model)) < ROUNDOFF
+
+
+@pytest.mark.distributed
+def test_mirrored_strategy_custom_loop_with_sample_counts(K, gk, two_cpus):
+    x, y = regression_data(n=24)
+    ref = mlp(K)
+    ref_opt = K.optimizers.SGD(0.2, momentum=0.5)
+    _, grads = mse_grads(ref, x, y)
+    ref_opt.apply_gradients(zip(grads, ref.trainable_variables))
+
+    strategy = tf.distribute.MirroredStrategy(two_cpus)
+    with strategy.scope():
+        model = mlp(K)
+        opt = gk.GradientAccumulator(K.optimizers.SGD(0.2, momentum=0.5), steps=2)
+        opt.build(model.trainable_variables)
+
+    def replica_step(xb, yb):
+        with tf.GradientTape() as tape:
+            # Keras convention: each replica's loss is divided by the replicas.
+            loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb)) / 2.0
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables),
+                            sample_count=tf.shape(xb)[0])
+
+    @tf.function
+    def step(xb, yb):
+        strategy.run(replica_step, args=(xb, yb))
+
+    # Two global batches of 12 (6 per replica) form the window of 24.
+    for a, b in [(0, 12), (12, 24)]:
+        dist = strategy.experimental_distribute_values_from_function(
+            lambda ctx, a=a, b=b: (
+                x[a + 6 * ctx.replica_id_in_sync_group:a + 6 * ctx.replica_id_in_sync_group + 6],
+                y[a + 6 * ctx.replica_id_in_sync_group:a + 6 * ctx.replica_id_in_sync_group + 6]))
+        step(*dist)
+    assert int(opt.iterations) == 1
+    assert max_abs_diff(weights_of(ref), weights_of(model)) < ROUNDOFF
+
+
+# ------------------------------------------------------------ mixed precision
+def test_loss_scale_optimizer_composes_and_lowers_scale_on_overflow(K, gk):
+    x, y = regression_data()
+    ref, _ = _big_batch_reference(K, "sgd", x[:16], y[:16], updates=1)
+    model = mlp(K)
+    lso = K.mixed_precision.LossScaleOptimizer(K.optimizers.SGD(0.1))
+    opt = gk.GradientAccumulator(lso, steps=2)
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
+            scaled = (opt.scale_loss(loss) if FLAVOUR == "keras3"
+                      else lso.get_scaled_loss(loss))
+        grads = tape.gradient(scaled, model.trainable_variables)
+        if FLAVOUR == "tf_keras":
+            grads = lso.get_unscaled_gradients(grads)
+        opt.apply_gradients(zip(grads, model.trainable_variables), sample_count=8)
+
+    scale_name = "dynamic_scale" if FLAVOUR == "keras3" else "loss_scale"
+    scale0 = float(getattr(lso, scale_name))
+    step(x[:8], y[:8])
+    step(x[8:16], y[8:16])
+    assert max_abs_diff(weights_of(ref), weights_of(model)) < ROUNDOFF
+    weights = weights_of(model)
+    bad = y[:8].copy()
+    bad[0] = np.nan
+    step(x[:8], bad)
+    step(x[8:16], y[8:16])
+    assert int(opt.skipped_windows) == 1
+    assert max_abs_diff(weights, weights_of(model)) == 0
+    assert float(getattr(lso, scale_name)) == scale0 / 2
+
+
+# ------------------------------------------------------------ bad input
+@pytest.mark.parametrize("kwargs,match", [
+    ({"steps": 0}, "`steps` must be an integer >= 1"),
+    ({"steps": 2.5}, "Received: steps=2.5"),
+    ({"steps": True}, "Received: steps=True"),
+    ({"steps": 2, "reduction": "mean"}, "`reduction` must be one of"),
+    ({"steps": 2, "epoch_end": "flush"}, "`epoch_end` must be one of"),
+    ({"steps": 2, "nonfinite": "ignore"}, "`nonfinite` must be one of"),
+])
+def test_bad_constructor_arguments(K, gk, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gk.GradientAccumulator(K.optimizers.SGD(0.1), **kwargs)
+
+
+def test_not_an_optimizer_or_other_flavour_is_rejected(K, gk):
+    with pytest.raises(TypeError, match="Received: optimizer=builtins.str"):
+        gk.GradientAccumulator("adam", steps=2)
+    other = __import__("tf_keras" if FLAVOUR == "keras3" else "keras")
+    with pytest.raises(TypeError, match="other flavour"):
+        gk.GradientAccumulator(other.optimizers.SGD(0.1), steps=2)
+    with pytest.raises(TypeError, match="`model` must be"):
+        gk.GradientAccumulator(K.optimizers.SGD(0.1), steps=2, model=object())
+    with pytest.raises(TypeError, match="unexpected arguments"):
+        gk.GradientAccumulator(K.optimizers.SGD(0.1), steps=2, clipnorm=1.0)
+
+
+def test_mismatched_gradients_raise_and_change_nothing(K, gk):
+    x, y = regression_data()
+    model = mlp(K)
+    opt = gk.GradientAccumulator(K.optimizers.SGD(0.1), steps=1)
+    _, grads = mse_grads(model, x, y)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    weights = weights_of(model)
+    state = variables_of(opt)
+    with pytest.raises(ValueError, match="gradients for"):
+        if FLAVOUR == "keras3":
+            opt.apply(grads[:2], model.trainable_variables)
+        else:
+            opt._accumulate(grads[:2], model.trainable_variables, None, None)
+    assert max_abs_diff(weights, weights_of(model)) == 0
+    assert max_abs_diff(state, variables_of(opt)) == 0
+
+
+# ------------------------------------------------------------ packaging
+def test_public_names_resolve_to_the_active_flavour(gk):
+    import tf_gradkit
+    assert tf_gradkit.optimizers.GradientAccumulator is gk.GradientAccumulator
+
+
+def test_import_sets_no_environment_and_imports_no_keras():
+    code = ("import os, sys; before = dict(os.environ); import tf_gradkit; "
+            "assert dict(os.environ) == before; "
+            "assert 'tf_keras' not in sys.modules, 'tf_keras imported'; "
+            "assert 'keras' not in sys.modules, 'keras imported'; print('ok')")
+    env = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
