@@ -38,6 +38,9 @@ test-slow: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[bench]"
+	# The peers pin TensorFlow 2.13 and numpy<=1.23.2 in their metadata but run
+	# on TF 2.21 (shared/ANCHORS.md); --no-deps keeps our environment intact.
+	$(PY) -m pip install -q --no-deps gradient-accumulator tf-levenberg-marquardt
 	$(PY) benchmarks/accumulation.py
 
 clean:

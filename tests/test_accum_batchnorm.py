@@ -96,6 +96,21 @@ def test_moving_stats_pool_each_window_once(mode, tail):
         np.testing.assert_allclose(got_var, expected_var, rtol=RTOL, atol=ATOL)
 
 
+def test_large_mean_keeps_the_variance(mode):
+    # mean/std = 1e4: summing n*(v + m**2) about 0 would lose the variance to
+    # float32 round-off (an error of O(1) on a variance of O(1)). The window's
+    # shift keeps it; what is left is the float32 error of each micro-batch
+    # mean (~1e-3 here), hence rtol=1e-2.
+    batches = [x + np.float32(1e4) for x in micro_batches(TAILS["dense"])]
+    layer = built(AccumBatchNormalization(3, momentum=0.0), batches[0])
+    step = compile_fn(lambda x: layer(x, training=True), mode)
+    for x in batches:
+        step(x)
+    mean, var = window_moments(batches)
+    np.testing.assert_allclose(layer.moving_mean.numpy(), mean, rtol=1e-6)
+    np.testing.assert_allclose(layer.moving_variance.numpy(), var, rtol=1e-2)
+
+
 def test_one_step_window_is_plain_batchnorm(K):
     # Unfused (2-D) inputs, where both flavours' plain BN feed the biased
     # batch variance to the moving average.

@@ -46,8 +46,8 @@ def test_window_equals_big_batch_with_short_last_microbatch(K, gk, inner, mode):
         for a, b in SPLITS:
             step(x[a:b], y[a:b], sample_count=b - a)
     assert max_abs_diff(weights_of(ref), weights_of(model)) < ROUNDOFF
-    assert int(opt.iterations) == 2 == int(ref_opt.iterations)
-    assert int(opt.micro_steps) == 6
+    assert int(opt.iterations.numpy()) == 2 == int(ref_opt.iterations.numpy())
+    assert int(opt.micro_steps.numpy()) == 6
 
 
 def test_microbatch_reduction_weights_microbatches_equally(K, gk, mode):
@@ -92,9 +92,9 @@ def test_inner_optimizer_untouched_between_updates(K, gk, mode):
     step(x[16:24], y[16:24])
     assert max_abs_diff(inner_before, [v.numpy() for v in inner.variables]) == 0
     assert max_abs_diff(weights_before, weights_of(model)) == 0
-    assert int(opt.iterations) == 0 and int(opt.window_micro_step) == 3
+    assert int(opt.iterations.numpy()) == 0 and int(opt.window_micro_step.numpy()) == 3
     step(x[24:], y[24:])
-    assert int(opt.iterations) == 1 and int(opt.window_micro_step) == 0
+    assert int(opt.iterations.numpy()) == 1 and int(opt.window_micro_step.numpy()) == 0
 
 
 def test_learning_rate_schedule_sees_real_steps(K, gk):
@@ -106,8 +106,8 @@ def test_learning_rate_schedule_sees_real_steps(K, gk):
     step = make_train_step(model, opt, "function")
     for i in range(8):
         step(x[i * 3:i * 3 + 3], y[i * 3:i * 3 + 3])
-    assert int(opt.iterations) == 2
-    assert int(opt.micro_steps) == 8
+    assert int(opt.iterations.numpy()) == 2
+    assert int(opt.micro_steps.numpy()) == 8
     lr_now = float(schedule(opt.iterations))
     assert lr_now == pytest.approx(0.1 * 0.25)
 
@@ -119,16 +119,16 @@ def test_stale_gradients_are_dropped_and_counted(K, gk, mode):
     step = make_train_step(model, opt, mode)
     step(x[:8], y[:8], local_step=0)
     step(x[8:16], y[8:16], local_step=0)        # window closes: iterations 1
-    assert int(opt.iterations) == 1
+    assert int(opt.iterations.numpy()) == 1
     before = weights_of(model)
     step(x[:8], y[:8], local_step=0)            # stale: computed before update 1
-    assert int(opt.dropped_gradients) == 1
-    assert int(opt.window_micro_step) == 0
+    assert int(opt.dropped_gradients.numpy()) == 1
+    assert int(opt.window_micro_step.numpy()) == 0
     assert max_abs_diff(before, weights_of(model)) == 0
     step(x[:8], y[:8], local_step=1)
     step(x[8:16], y[8:16], local_step=1)
-    assert int(opt.iterations) == 2
-    assert int(opt.micro_steps) == 4
+    assert int(opt.iterations.numpy()) == 2
+    assert int(opt.micro_steps.numpy()) == 4
 
 
 def test_nonfinite_microbatch_skips_whole_window(K, gk, mode):
@@ -145,12 +145,12 @@ def test_nonfinite_microbatch_skips_whole_window(K, gk, mode):
     bad_y[0] = np.nan
     step(x[:8], bad_y)
     step(x[8:16], y[8:16])
-    assert int(opt.skipped_windows) == 1
+    assert int(opt.skipped_windows.numpy()) == 1
     assert max_abs_diff(weights, weights_of(model)) == 0
     assert max_abs_diff(state, [v.numpy() for v in inner.variables]) == 0
     step(x[:8], y[:8])
     step(x[8:16], y[8:16])
-    assert int(opt.iterations) == 2
+    assert int(opt.iterations.numpy()) == 2
     assert all(np.isfinite(w).all() for w in weights_of(model))
 
 
@@ -193,10 +193,10 @@ def test_flush_applies_partial_window_weighted_by_content(K, gk, mode):
     step(x[:12], y[:12], sample_count=12)
     step(x[12:20], y[12:20], sample_count=8)
     compile_fn(opt.flush, mode)()
-    assert int(opt.iterations) == 1 and int(opt.window_micro_step) == 0
+    assert int(opt.iterations.numpy()) == 1 and int(opt.window_micro_step.numpy()) == 0
     assert max_abs_diff(weights_of(ref), weights_of(model)) < ROUNDOFF
     opt.flush()  # empty window: nothing happens
-    assert int(opt.iterations) == 1
+    assert int(opt.iterations.numpy()) == 1
 
 
 def test_discard_drops_partial_window(K, gk):
@@ -207,10 +207,10 @@ def test_discard_drops_partial_window(K, gk):
     before = weights_of(model)
     step(x[:8], y[:8])
     opt.discard()
-    assert int(opt.window_micro_step) == 0
+    assert int(opt.window_micro_step.numpy()) == 0
     for i in range(4):
         step(x[i * 6:i * 6 + 6], y[i * 6:i * 6 + 6])
-    assert int(opt.iterations) == 1
+    assert int(opt.iterations.numpy()) == 1
     assert max_abs_diff(before, weights_of(model)) > 1e-3
 
 
@@ -223,7 +223,7 @@ def test_fit_with_model_weights_by_batch_size_and_applies_at_epoch_end(K, gk, ji
     opt = gk.GradientAccumulator(INNER["adam"](K), steps=4, model=model)
     model.compile(optimizer=opt, loss="mse", jit_compile=jit)
     model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    assert int(opt.iterations) == 2
+    assert int(opt.iterations.numpy()) == 2
     assert max_abs_diff(weights_of(ref), weights_of(model)) < ROUNDOFF
 
 
@@ -235,8 +235,8 @@ def test_epoch_end_policies_under_fit(K, gk, policy, updates, left):
                                  epoch_end=policy)
     model.compile(optimizer=opt, loss="mse")
     model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    assert int(opt.iterations) == updates
-    assert int(opt.window_micro_step) == left
+    assert int(opt.iterations.numpy()) == updates
+    assert int(opt.window_micro_step.numpy()) == left
 
 
 def test_fit_without_model_counts_each_microbatch_once(K, gk):
@@ -275,12 +275,12 @@ def test_checkpoint_resume_mid_window_continues_exactly(K, gk, tmp_path):
     resumed_opt.build(resumed.trainable_variables)
     tf.train.Checkpoint(model=resumed, optimizer=resumed_opt).restore(
         path).assert_existing_objects_matched()
-    assert int(resumed_opt.window_micro_step) == 1
+    assert int(resumed_opt.window_micro_step.numpy()) == 1
     run(resumed, resumed_opt, [4])
-    assert int(resumed_opt.iterations) == 1
+    assert int(resumed_opt.iterations.numpy()) == 1
     run(resumed, resumed_opt, [5])
     run(full, full_opt, [5])
-    assert int(resumed_opt.iterations) == 2
+    assert int(resumed_opt.iterations.numpy()) == 2
     assert max_abs_diff(weights_of(full), weights_of(resumed)) < ROUNDOFF
 
 
@@ -301,8 +301,8 @@ def test_config_round_trip_and_model_save_load(K, gk, tmp_path):
     model.save(path)
     loaded = K.models.load_model(path)
     assert isinstance(loaded.optimizer, gk.GradientAccumulator)
-    assert int(loaded.optimizer.iterations) == 1
-    assert int(loaded.optimizer.window_micro_step) == 1
+    assert int(loaded.optimizer.iterations.numpy()) == 1
+    assert int(loaded.optimizer.window_micro_step.numpy()) == 1
     assert max_abs_diff(variables_of(model.optimizer), variables_of(loaded.optimizer)) == 0
 
 
@@ -323,7 +323,7 @@ def test_mirrored_strategy_fit_equals_single_device(K, gk, two_cpus,
                                      model=model)
         model.compile(optimizer=opt, loss="mse")
     model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
-    assert int(opt.iterations) == 4
+    assert int(opt.iterations.numpy()) == 4
     assert max_abs_diff(weights_of(ref), weights_of(model)) < ROUNDOFF
 
 
@@ -360,7 +360,7 @@ def test_mirrored_strategy_custom_loop_with_sample_counts(K, gk, two_cpus):
                 x[a + 6 * ctx.replica_id_in_sync_group:a + 6 * ctx.replica_id_in_sync_group + 6],
                 y[a + 6 * ctx.replica_id_in_sync_group:a + 6 * ctx.replica_id_in_sync_group + 6]))
         step(*dist)
-    assert int(opt.iterations) == 1
+    assert int(opt.iterations.numpy()) == 1
     assert max_abs_diff(weights_of(ref), weights_of(model)) < ROUNDOFF
 
 
@@ -384,16 +384,16 @@ def test_loss_scale_optimizer_composes_and_lowers_scale_on_overflow(K, gk):
         opt.apply_gradients(zip(grads, model.trainable_variables), sample_count=8)
 
     scale_name = "dynamic_scale" if FLAVOUR == "keras3" else "loss_scale"
-    scale0 = float(getattr(lso, scale_name))
     step(x[:8], y[:8])
     step(x[8:16], y[8:16])
+    scale0 = float(getattr(lso, scale_name))
     assert max_abs_diff(weights_of(ref), weights_of(model)) < ROUNDOFF
     weights = weights_of(model)
     bad = y[:8].copy()
     bad[0] = np.nan
     step(x[:8], bad)
     step(x[8:16], y[8:16])
-    assert int(opt.skipped_windows) == 1
+    assert int(opt.skipped_windows.numpy()) == 1
     assert max_abs_diff(weights, weights_of(model)) == 0
     assert float(getattr(lso, scale_name)) == scale0 / 2
 
@@ -448,10 +448,13 @@ def test_public_names_resolve_to_the_active_flavour(gk):
 
 
 def test_import_sets_no_environment_and_imports_no_keras():
-    code = ("import os, sys; before = dict(os.environ); import tf_gradkit; "
-            "assert dict(os.environ) == before; "
-            "assert 'tf_keras' not in sys.modules, 'tf_keras imported'; "
-            "assert 'keras' not in sys.modules, 'keras imported'; print('ok')")
+    # TensorFlow itself may import parts of Keras; tf_gradkit must add none.
+    code = (
+        "import os, sys; import tensorflow; before = dict(os.environ); "
+        "mods = set(sys.modules); import tf_gradkit; "
+        "assert dict(os.environ) == before, 'environment changed'; "
+        "new = [m for m in set(sys.modules) - mods if 'keras' in m]; "
+        "assert not new, new")
     env = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}
     out = subprocess.run([sys.executable, "-c", code], env=env,
                          capture_output=True, text=True, timeout=300)
