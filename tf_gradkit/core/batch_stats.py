@@ -19,12 +19,12 @@ and biased variance ``v_t``::
 
 which is exactly the mean and biased variance of all ``N`` elements (the
 example-weighted mean of the variances plus the variance of the means). ``c`` is
-a shift held fixed for the whole window (the adapters pass the moving mean,
-which only changes at a window end). With ``c = 0`` this is the textbook
-``E[x^2] - E[x]^2``, which in float32 loses the variance when ``|mean| >> std``
-(catastrophic cancellation); a shift near the mean keeps the terms small. The
-shift cancels exactly in exact arithmetic, so any fixed ``c`` gives the same
-answer.
+a shift held fixed for the whole window: the mean of the window's first
+micro-batch. With ``c = 0`` this is the textbook ``E[x^2] - E[x]^2``, which in
+float32 loses the variance when ``|mean| >> std`` (catastrophic cancellation:
+a feature with mean 1e4 and std 1 would get a variance wrong by O(1)); a shift
+near the mean keeps the terms small. The shift cancels in exact arithmetic, so
+any fixed ``c`` gives the same answer.
 
 The sums are linear in the micro-batch contributions, so they live in plain
 variables that the adapter creates (and places, for ``tf.distribute``) like
@@ -49,12 +49,14 @@ class WindowMomentsState(NamedTuple):
       count: per-feature element count ``N`` of the open window.
       sum_mean: per-feature ``S1 = sum_t n_t * (m_t - c)``.
       sum_sq: per-feature ``S2 = sum_t n_t * (v_t + (m_t - c)**2)``.
+      shift: per-feature ``c``, the mean of the window's first micro-batch.
     """
 
     micro_step: tf.Variable
     count: tf.Variable
     sum_mean: tf.Variable
     sum_sq: tf.Variable
+    shift: tf.Variable
 
 
 def check_accumulation_steps(value, name="accumulation_steps"):
@@ -84,7 +86,7 @@ def init_window_moments(make_variable: Callable):
       make_variable: ``make_variable(name, per_feature) -> variable`` creating a
         zero variable: float, shaped like the moving mean, if ``per_feature``;
         an int64 scalar otherwise. The adapter chooses placement and replica
-        synchronisation (matching its layer's moving statistics).
+        synchronisation (per replica: each replica pools what it sees).
 
     Returns:
       A `WindowMomentsState`.
@@ -94,6 +96,7 @@ def init_window_moments(make_variable: Callable):
         count=make_variable("window_count", True),
         sum_mean=make_variable("window_sum_mean", True),
         sum_sq=make_variable("window_sum_sq", True),
+        shift=make_variable("window_shift", True),
     )
 
 
@@ -183,21 +186,24 @@ def update_window_moments(state: WindowMomentsState, moving_mean,
       Boolean scalar tensor: True when this call closed the window.
     """
     dtype = state.sum_mean.dtype
-    old_mean = tf.convert_to_tensor(moving_mean)
-    old_variance = tf.convert_to_tensor(moving_variance)
-    shift = tf.cast(old_mean, dtype)  # constant within the window
+    mean = tf.broadcast_to(tf.cast(mean, dtype), tf.shape(state.shift))
+    micro_step = tf.convert_to_tensor(state.micro_step)
+    shift = tf.where(micro_step == 0, mean, tf.convert_to_tensor(state.shift))
     count, sum_mean, sum_sq = add_moments(
         tf.convert_to_tensor(state.count), tf.convert_to_tensor(state.sum_mean),
-        tf.convert_to_tensor(state.sum_sq), tf.cast(n, dtype),
-        tf.cast(mean, dtype), tf.cast(variance, dtype), shift)
+        tf.convert_to_tensor(state.sum_sq), tf.cast(n, dtype), mean,
+        tf.cast(variance, dtype), shift)
 
-    step = tf.convert_to_tensor(state.micro_step) + 1
+    step = micro_step + 1
     window_done = step >= steps
     pooled_mean, pooled_variance = pool_moments(count, sum_mean, sum_sq, shift)
     update = tf.logical_and(window_done, count > 0)
+    old_mean = tf.convert_to_tensor(moving_mean)
+    old_variance = tf.convert_to_tensor(moving_variance)
     moving_mean.assign(tf.where(
         update,
-        tf.cast(moving_average(shift, pooled_mean, momentum), old_mean.dtype),
+        tf.cast(moving_average(tf.cast(old_mean, dtype), pooled_mean,
+                               momentum), old_mean.dtype),
         old_mean))
     moving_variance.assign(tf.where(
         update,
@@ -209,5 +215,6 @@ def update_window_moments(state: WindowMomentsState, moving_mean,
     state.count.assign(tf.where(window_done, zeros, count))
     state.sum_mean.assign(tf.where(window_done, zeros, sum_mean))
     state.sum_sq.assign(tf.where(window_done, zeros, sum_sq))
+    state.shift.assign(shift)
     state.micro_step.assign(tf.where(window_done, tf.zeros_like(step), step))
     return window_done

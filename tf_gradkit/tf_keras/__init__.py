@@ -1,5 +1,6 @@
 """tf_gradkit for tf_keras (the Keras 2 line tfmot needs). Imports tf_keras only."""
 
 from tf_gradkit.tf_keras.gradient_accumulator import GradientAccumulator
+from tf_gradkit.tf_keras.layers import AccumBatchNormalization
 
-__all__ = ["GradientAccumulator"]
+__all__ = ["AccumBatchNormalization", "GradientAccumulator"]
