@@ -227,6 +227,31 @@ def test_fit_with_model_weights_by_batch_size_and_applies_at_epoch_end(K, gk, ji
     assert max_abs_diff(weights_of(ref), weights_of(model)) < ROUNDOFF
 
 
+def test_fit_with_steps_per_execution(K, gk):
+    x, y = regression_data(n=32)
+    ref, _ = _big_batch_reference(K, "adam", x, y, updates=1)
+    model = mlp(K)
+    opt = gk.GradientAccumulator(INNER["adam"](K), steps=4, model=model)
+    model.compile(optimizer=opt, loss="mse", steps_per_execution=2)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert int(opt.iterations.numpy()) == 1
+    assert max_abs_diff(weights_of(ref), weights_of(model)) < ROUNDOFF
+
+
+@pytest.mark.distributed
+def test_mirrored_strategy_flush_at_epoch_end(K, gk, two_cpus):
+    x, y = regression_data(n=48)  # 3 global batches of 16: window of 4 is cut
+    ref, _ = _big_batch_reference(K, "adam", x, y, updates=1)
+    strategy = tf.distribute.MirroredStrategy(two_cpus)
+    with strategy.scope():
+        model = mlp(K)
+        opt = gk.GradientAccumulator(INNER["adam"](K), steps=4, model=model)
+        model.compile(optimizer=opt, loss="mse")
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert int(opt.iterations.numpy()) == 1
+    assert max_abs_diff(weights_of(ref), weights_of(model)) < ROUNDOFF
+
+
 @pytest.mark.parametrize("policy,updates,left", [("apply", 2, 0), ("carry", 1, 2), ("drop", 0, 0)])
 def test_epoch_end_policies_under_fit(K, gk, policy, updates, left):
     x, y = regression_data(n=24)  # 3 batches of 8 per epoch, windows of 4

@@ -21,6 +21,9 @@ from tf_gradkit.core import windowed_apply
 from tf_gradkit.core.accumulation import REDUCTIONS
 
 EPOCH_END_POLICIES = ("apply", "carry", "drop")
+# Traced flush/discard functions per optimizer, kept off the optimizer object
+# so that no tf.function becomes part of its checkpoint or SavedModel.
+_REPLICA_FUNCTIONS = weakref.WeakKeyDictionary()
 NONFINITE_POLICIES = ("skip", "raise")
 
 
@@ -249,7 +252,10 @@ class AccumulatorMixin:
 
     def discard(self):
         """Drops whatever the open window holds; weights and state unchanged."""
-        self._run_in_replicas(lambda: accumulation.reset(self._state))
+        self._run_in_replicas(self._discard_in_replica)
+
+    def _discard_in_replica(self):
+        accumulation.reset(self._state)
 
     def end_epoch(self):
         """Applies the ``epoch_end`` policy: "apply", "carry" or "drop"."""
@@ -268,12 +274,29 @@ class AccumulatorMixin:
             count_dropped=lambda: None)
 
     def _run_in_replicas(self, fn):
+        """Runs ``fn`` once per replica, from wherever the caller stands.
+
+        Keras 3 runs callbacks outside the strategy scope, so the strategy is
+        the one the optimizer was created under, not the ambient one.
+        """
         if not getattr(self, "_state", None):
             return  # never built: nothing accumulated
-        if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
-            tf.distribute.get_strategy().run(fn)
-        else:
-            fn()
+        if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
+            fn()  # already in replica context (strategy.run, train_step)
+            return
+        with self._distribution_strategy.scope():
+            if not tf.distribute.has_strategy():  # the default strategy
+                fn()
+            elif tf.executing_eagerly():
+                # One traced function per (optimizer, action): running a
+                # MirroredStrategy eagerly is slow and warns.
+                strategy = self._distribution_strategy
+                cache = _REPLICA_FUNCTIONS.setdefault(self, {})
+                if fn.__name__ not in cache:
+                    cache[fn.__name__] = tf.function(lambda: strategy.run(fn))
+                cache[fn.__name__]()
+            else:
+                self._distribution_strategy.run(fn)
 
     # ------------------------------------------------------------ reporting
     @property
