@@ -30,6 +30,7 @@ test-tf-keras: $(STAMP)
 
 test: test-keras3 test-tf-keras
 	$(PY) examples/accumulate_fit.py
+	$(PY) examples/accumulate_custom_loop.py
 	$(PY) examples/conditional_accumulator.py
 
 test-slow: $(STAMP)
