@@ -37,7 +37,9 @@ GRADIENT_ACCUMULATOR = """Applies the wrapped optimizer once every ``steps`` mic
       nonfinite: ``"skip"`` (default): a window with a NaN/Inf micro-batch
         gradient is discarded whole, weights and optimizer state untouched,
         and ``skipped_windows`` increments (an inner LossScaleOptimizer still
-        lowers its scale). ``"raise"``: raise at the offending micro-batch.
+        lowers its scale). ``"raise"``: raise ``InvalidArgumentError`` at the
+        offending micro-batch, eagerly and in ``tf.function``; XLA cannot raise
+        from a compiled step, so under ``jit_compile=True`` it skips instead.
       name: optional name.
 
     ``apply_gradients(grads_and_vars, sample_count=None, local_step=None)``:
