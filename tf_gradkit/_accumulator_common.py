@@ -150,10 +150,13 @@ class ModelHooks:
 class AccumulatorMixin:
     """The flavour-independent half of ``GradientAccumulator``.
 
-    Adapters provide ``_make_variable(reference, name, per_replica, dtype)``
-    returning a ``tf.Variable``, ``_inner_apply(grads, variables)``,
+    Adapters provide ``_KERAS`` (their Keras module),
+    ``_make_variable(reference, name, per_replica, dtype)`` returning a
+    ``tf.Variable``, ``_inner_apply(grads, variables)``,
     ``_inner_is_loss_scale()``, ``_var_key`` and ``_trainable_variables``.
     """
+
+    _KERAS = None  # set by each adapter: `keras` or `tf_keras`
 
     def _init_accumulator(self, optimizer, steps, reduction, model, epoch_end,
                           nonfinite, callback_base):
@@ -319,14 +322,38 @@ class AccumulatorMixin:
         """Windows discarded because a micro-batch had a NaN or Inf."""
         return self._skipped
 
-    def _accumulator_config(self):
+    @property
+    def iterations(self):
+        """Real (inner) updates: schedules and checkpoints see real steps."""
+        return self.inner_optimizer.iterations
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def get_config(self):
         return {
             "name": self.name,
+            "optimizer": self._KERAS.optimizers.serialize(self.inner_optimizer),
             "steps": self.steps,
             "reduction": self.reduction,
             "epoch_end": self.epoch_end,
             "nonfinite": self.nonfinite,
         }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = cls._KERAS.optimizers.deserialize(
+            config.pop("optimizer"), custom_objects=custom_objects)
+        return cls(inner, **config)
 
 
 def _check_numerics(grads):

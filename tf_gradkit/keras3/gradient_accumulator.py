@@ -17,6 +17,7 @@ from tf_gradkit import _docs
 
 @keras.saving.register_keras_serializable(package="tf_gradkit")
 class GradientAccumulator(common.AccumulatorMixin, keras.optimizers.Optimizer):
+    _KERAS = keras
     __doc__ = _docs.GRADIENT_ACCUMULATOR.format(flavour="Keras 3", K="keras")
 
     def __init__(self, optimizer, steps, reduction="example", model=None,
@@ -85,33 +86,5 @@ class GradientAccumulator(common.AccumulatorMixin, keras.optimizers.Optimizer):
         return isinstance(self.inner_optimizer,
                           keras.optimizers.LossScaleOptimizer)
 
-    @property
-    def iterations(self):
-        """Real (inner) updates: schedules and checkpoints see real steps."""
-        return self.inner_optimizer.iterations
-
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        self.inner_optimizer.learning_rate = learning_rate
-
     def scale_loss(self, loss):
         return self.inner_optimizer.scale_loss(loss)
-
-    def finalize_variable_values(self, var_list):
-        self.inner_optimizer.finalize_variable_values(var_list)
-
-    def get_config(self):
-        config = self._accumulator_config()
-        config["optimizer"] = keras.optimizers.serialize(self.inner_optimizer)
-        return config
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        inner = keras.optimizers.deserialize(
-            config.pop("optimizer"), custom_objects=custom_objects)
-        return cls(inner, **config)

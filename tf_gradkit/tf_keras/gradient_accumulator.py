@@ -21,6 +21,7 @@ _LossScaleOptimizer = tf_keras.mixed_precision.LossScaleOptimizer
 
 @tf_keras.saving.register_keras_serializable(package="tf_gradkit")
 class GradientAccumulator(common.AccumulatorMixin, tf_keras.optimizers.Optimizer):
+    _KERAS = tf_keras
     __doc__ = _docs.GRADIENT_ACCUMULATOR.format(flavour="tf_keras", K="tf_keras")
 
     def __init__(self, optimizer, steps, reduction="example", model=None,
@@ -87,34 +88,6 @@ class GradientAccumulator(common.AccumulatorMixin, tf_keras.optimizers.Optimizer
     def _inner_is_loss_scale(self):
         return isinstance(self.inner_optimizer, _LossScaleOptimizer)
 
-    @property
-    def iterations(self):
-        """Real (inner) updates: schedules and checkpoints see real steps."""
-        return self.inner_optimizer.iterations
-
-    @iterations.setter
+    @common.AccumulatorMixin.iterations.setter
     def iterations(self, variable):
         self.inner_optimizer.iterations = variable
-
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        self.inner_optimizer.learning_rate = learning_rate
-
-    def finalize_variable_values(self, var_list):
-        self.inner_optimizer.finalize_variable_values(var_list)
-
-    def get_config(self):
-        config = self._accumulator_config()
-        config["optimizer"] = tf_keras.optimizers.serialize(self.inner_optimizer)
-        return config
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        inner = tf_keras.optimizers.deserialize(
-            config.pop("optimizer"), custom_objects=custom_objects)
-        return cls(inner, **config)
