@@ -95,17 +95,21 @@ def micro_step(state, grads, *, weight, accept, steps, force=False,
 
 
 def _close_if_ready(ready, totals, apply_window, skip_window, run):
-    def _close():
-        total_weight, nonfinite = totals() if callable(totals) else totals
+    """One branch point: keep the window open, apply it, or skip it.
 
-        def _apply():
-            run(apply_window, args=(total_weight,))
-            return tf.constant(True)
+    A single ``switch_case`` rather than nested ``cond``s: under XLA nested
+    conditionals made every open micro-step pay for carrying the inner
+    optimizer's variables through the untaken branches.
+    """
+    total_weight, nonfinite = totals() if callable(totals) else totals
+    branch = tf.where(ready, tf.where(tf.equal(nonfinite, 0), 1, 2), 0)
 
-        def _skip():
-            run(skip_window)
-            return tf.constant(False)
+    def _apply():
+        run(apply_window, args=(total_weight,))
+        return tf.constant(1)
 
-        return tf.cond(tf.equal(nonfinite, 0), _apply, _skip)
+    def _skip():
+        run(skip_window)
+        return tf.constant(2)
 
-    tf.cond(ready, _close, lambda: tf.constant(False))
+    tf.switch_case(branch, [lambda: tf.constant(0), _apply, _skip])
