@@ -10,11 +10,14 @@ flavour is imported the first time one of its names is used.
 import importlib
 
 from tf_gradkit.core.conditional_accumulator import ConditionalAccumulator
+from tf_gradkit.core.lm.solve import LeastSquaresResult, least_squares
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ConditionalAccumulator",
+    "LeastSquaresResult",
+    "least_squares",
     "core",
     "keras3",
     "layers",

@@ -1,0 +1,151 @@
+"""``least_squares``: a whole Levenberg-Marquardt solve in one compiled loop.
+
+Minimises ``0.5 * sum(residual_fn()**2)`` over ``var_list`` with the LM
+iteration of `step.py` inside one ``tf.while_loop`` (and, by default, one
+XLA compilation): no host round-trip per iteration.
+"""
+
+from typing import NamedTuple
+
+import tensorflow as tf
+
+from tf_gradkit.core.lm import damping as damping_lib
+from tf_gradkit.core.lm import linearize as lin_lib
+from tf_gradkit.core.lm import solvers as solvers_lib
+from tf_gradkit.core.lm import step as step_lib
+
+REASONS = ("running", "gradient tolerance", "step tolerance", "cost tolerance",
+           "iteration limit", "no acceptable step (damping exhausted)")
+
+
+class LeastSquaresResult(NamedTuple):
+    """What `least_squares` returns.
+
+    Attributes:
+      cost: final ``0.5 * sum r^2``.
+      iterations: LM iterations run.
+      converged: True if a tolerance was met (not the iteration limit, and not
+        a stall with every attempt rejected).
+      reason_code: index into `REASONS`.
+      damping: final damping.
+    """
+
+    cost: tf.Tensor
+    iterations: tf.Tensor
+    converged: tf.Tensor
+    reason_code: tf.Tensor
+    damping: tf.Tensor
+
+    @property
+    def reason(self):
+        """Why the solve stopped, as text (a string tensor inside graphs)."""
+        if tf.executing_eagerly():
+            return REASONS[int(self.reason_code)]
+        return tf.gather(tf.constant(REASONS), self.reason_code)
+
+
+def resolve_part(value, table, argument):
+    """Accepts a part object or its name in ``table``."""
+    if isinstance(value, str):
+        if value not in table:
+            raise ValueError(f"`{argument}` must be one of {sorted(table)} or an "
+                             f"object. Received: {argument}={value!r}")
+        return table[value]()
+    return value
+
+
+def least_squares(residual_fn, var_list, max_iterations=100, *,
+                  controller="nielsen", scaling="marquardt", solver="qr",
+                  max_attempts=10, gtol=1e-12, xtol=1e-12, ftol=1e-14,
+                  jit_compile=True):
+    """Solves a nonlinear least-squares problem by Levenberg-Marquardt.
+
+    Args:
+      residual_fn: zero-argument callable returning the residuals (any shape)
+        computed from the variables in ``var_list``.
+      var_list: ``tf.Variable``s to fit (updated in place); the solve runs in
+        their dtype (use float64 for reference precision).
+      max_iterations: iteration limit.
+      controller: damping rule: "nielsen" (default), "multiply_divide" or a
+        controller object (`tf_gradkit.core.lm.damping`).
+      scaling: "marquardt" (default, scale-invariant) or "levenberg".
+      solver: "qr" (default: precision on ill-conditioned problems),
+        "cholesky" (fast normal equations) or "dual" (J J^T form, for fewer
+        residuals than parameters), or a solver object.
+      max_attempts: damped solves per iteration before giving up.
+      gtol: stop when ``max |J^T r| <= gtol * max(1, cost)``.
+      xtol: stop when an accepted step ``|d| <= xtol * (xtol + |x|)``.
+      ftol: stop when an accepted step lowers the cost by
+        ``<= ftol * cost``.
+      jit_compile: compile the whole solve with XLA.
+
+    Returns:
+      A `LeastSquaresResult`.
+
+    Example:
+
+    >>> a, b = tf.Variable(1.0, dtype=tf.float64), tf.Variable(0.1, dtype=tf.float64)
+    >>> x = tf.constant([1., 2., 3., 4.], tf.float64)
+    >>> y = 2.5 * tf.exp(-0.3 * x)
+    >>> result = least_squares(lambda: a * tf.exp(-b * x) - y, [a, b])
+    >>> round(float(a), 6), round(float(b), 6), result.reason
+    (2.5, 0.3, 'gradient tolerance')
+    """
+    var_list = list(var_list)
+    if not var_list:
+        raise ValueError("least_squares: `var_list` is empty; pass the variables "
+                         "to fit.")
+    if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) \
+            or max_iterations < 1:
+        raise ValueError("least_squares: `max_iterations` must be an integer >= 1. "
+                         f"Received: max_iterations={max_iterations!r}")
+    controller = resolve_part(controller, damping_lib.CONTROLLERS, "controller")
+    scaling = resolve_part(scaling, damping_lib.SCALINGS, "scaling")
+    solver = resolve_part(solver, solvers_lib.SOLVERS, "solver")
+    dtype = var_list[0].dtype.base_dtype
+    num_params = sum(v.shape.num_elements() for v in var_list)
+
+    def cost_fn():
+        r = tf.cast(tf.reshape(residual_fn(), [-1]), dtype)
+        return 0.5 * tf.reduce_sum(tf.square(r))
+
+    def solve():
+        def body(it, reason, state, cost):
+            del cost
+            lin = lin_lib.linearize(residual_fn, var_list, solver.needs_jacobian,
+                                    dtype)
+            grad_small = info_grad = tf.reduce_max(tf.abs(lin.jtr))
+            grad_small = info_grad <= gtol * tf.maximum(lin.cost, 1.0)
+
+            def take_step():
+                new_state, info = step_lib.levenberg_marquardt_step(
+                    lin, cost_fn, var_list, state, controller=controller,
+                    scaling=scaling, solver=solver, max_attempts=max_attempts)
+                x_norm = tf.norm(lin_lib.flatten(var_list, dtype))
+                small_step = info.accepted & (info.step_norm <= xtol * (xtol + x_norm))
+                small_drop = info.accepted & (
+                    info.cost - info.new_cost <= ftol * info.cost)
+                code = tf.where(
+                    ~info.accepted, 5,
+                    tf.where(small_step, 2, tf.where(small_drop, 3, 0)))
+                return new_state, info.new_cost, code
+
+            new_state, new_cost, code = tf.cond(
+                grad_small, lambda: (state, lin.cost, tf.constant(1)), take_step)
+            return it + 1, code, new_state, new_cost
+
+        state = step_lib.init_state(controller, scaling, num_params, dtype)
+        it, code, state, cost = tf.while_loop(
+            lambda it, reason, *_: (reason == 0) & (it < max_iterations), body,
+            (tf.constant(0), tf.constant(0), state, tf.constant(0.0, dtype)),
+            maximum_iterations=max_iterations)
+        code = tf.where(code == 0, 4, code)
+        return it, code, state.damping, cost_fn()
+
+    if tf.executing_eagerly():
+        it, code, damping, cost = tf.function(solve, jit_compile=jit_compile)()
+    else:
+        it, code, damping, cost = solve()
+    return LeastSquaresResult(cost=cost, iterations=it,
+                              converged=(code >= 1) & (code <= 3),
+                              reason_code=code, damping=damping)

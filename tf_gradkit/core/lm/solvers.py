@@ -1,0 +1,91 @@
+"""Linear solvers for the damped Gauss-Newton step (swappable parts).
+
+Each solves ``(J^T J + lambda D^2) d = -J^T r`` for the step ``d`` and says
+whether the solve succeeded; a failed solve makes the caller raise the damping
+and retry, inside the same compiled step.
+
+- `Cholesky`: factors the P x P damped normal matrix. Fast, memory P^2 (the
+  Jacobian is never stored, only accumulated). Squares the condition number.
+- `QR`: least squares on the augmented system ``[J; sqrt(lambda) D] d = [-r; 0]``
+  with a Householder QR of the (N+P) x P matrix: never forms J^T J, so it keeps
+  the precision ill-conditioned problems need (NIST Hahn1, Kirby2, Lanczos).
+- `NormalEquationsDual`: the ``J J^T`` form ``d = D^-2 J^T (J D^-2 J^T + lambda I)^-1 (-r)``,
+  for fewer residuals than parameters (N x N instead of P x P).
+
+All use only ops with XLA and GPU kernels (Cholesky, QR, triangular solves).
+"""
+
+from typing import NamedTuple, Optional
+
+import tensorflow as tf
+
+
+class Linearization(NamedTuple):
+    """The model linearised at the current parameters.
+
+    ``residuals`` [N] and ``jacobian`` [N, P] are present only when the solver
+    asked for them (``needs_jacobian``); ``jtj`` [P, P] and ``jtr`` [P] always.
+    """
+
+    cost: tf.Tensor
+    jtj: tf.Tensor
+    jtr: tf.Tensor
+    residuals: Optional[tf.Tensor] = None
+    jacobian: Optional[tf.Tensor] = None
+
+
+def _finite(x):
+    return tf.reduce_all(tf.math.is_finite(x))
+
+
+class Cholesky:
+    """Cholesky factorisation of ``J^T J + lambda D^2``."""
+
+    needs_jacobian = False
+
+    def solve(self, lin, damping, d2):
+        a = lin.jtj + tf.linalg.diag(damping * d2)
+        chol = tf.linalg.cholesky(a)
+        # On failure the factor holds NaNs (XLA does not raise): report it.
+        ok = tf.logical_and(_finite(chol),
+                            tf.reduce_all(tf.linalg.diag_part(chol) > 0))
+        safe = tf.where(ok, chol, tf.eye(tf.shape(a)[0], dtype=a.dtype))
+        step = tf.linalg.cholesky_solve(safe, -lin.jtr[:, None])[:, 0]
+        return step, tf.logical_and(ok, _finite(step))
+
+
+class QR:
+    """Householder QR of the augmented system ``[J; sqrt(lambda) D]``."""
+
+    needs_jacobian = True
+
+    def solve(self, lin, damping, d2):
+        p = tf.shape(lin.jtr)[0]
+        augmented = tf.concat(
+            [lin.jacobian, tf.linalg.diag(tf.sqrt(damping * d2))], axis=0)
+        rhs = tf.concat([-lin.residuals, tf.zeros([p], lin.jtr.dtype)], axis=0)
+        q, r = tf.linalg.qr(augmented)
+        qtb = tf.linalg.matvec(q, rhs, transpose_a=True)
+        step = tf.linalg.triangular_solve(r, qtb[:, None], lower=False)[:, 0]
+        return step, _finite(step)
+
+
+class NormalEquationsDual:
+    """The ``J J^T`` form, for problems with fewer residuals than parameters."""
+
+    needs_jacobian = True
+
+    def solve(self, lin, damping, d2):
+        jd = lin.jacobian / d2[None, :]                      # J D^-2
+        n = tf.shape(lin.residuals)[0]
+        a = tf.matmul(jd, lin.jacobian, transpose_b=True) + damping * tf.eye(
+            n, dtype=lin.jtr.dtype)
+        chol = tf.linalg.cholesky(a)
+        ok = _finite(chol)
+        safe = tf.where(ok, chol, tf.eye(n, dtype=a.dtype))
+        y = tf.linalg.cholesky_solve(safe, -lin.residuals[:, None])[:, 0]
+        step = tf.linalg.matvec(jd, y, transpose_a=True)
+        return step, tf.logical_and(ok, _finite(step))
+
+
+SOLVERS = {"cholesky": Cholesky, "qr": QR, "dual": NormalEquationsDual}

@@ -1,0 +1,103 @@
+"""One Levenberg-Marquardt iteration, accept/reject retries included.
+
+The whole iteration is graph code: linearise once, then a ``tf.while_loop``
+of attempts, each a damped solve reusing the same J^T J and J^T r, a trial
+write of the parameters and one residual evaluation. A rejected attempt
+raises the damping; if every attempt fails the parameters are restored
+exactly (the saved values are written back, no arithmetic undo).
+
+Gain ratio: ``rho = (cost - cost_trial) / (L(0) - L(d))`` with the model
+``L(d) = 0.5 |r + J d|^2``, so ``L(0) - L(d) = -d.J^T r - 0.5 d.J^T J d``.
+"""
+
+from typing import NamedTuple
+
+import tensorflow as tf
+
+from tf_gradkit.core.lm import damping as damping_lib
+from tf_gradkit.core.lm import linearize as lin_lib
+
+
+class LMState(NamedTuple):
+    """Carried between iterations: damping controller state and the damping
+    scaling's memory (MINPACK-style running max of diag(J^T J))."""
+
+    damping: tf.Tensor
+    nu: tf.Tensor
+    scale: tf.Tensor
+
+
+class StepInfo(NamedTuple):
+    cost: tf.Tensor          # before the step
+    new_cost: tf.Tensor      # after (== cost when nothing was accepted)
+    accepted: tf.Tensor
+    attempts: tf.Tensor
+    step_norm: tf.Tensor
+    gradient_norm: tf.Tensor  # max |J^T r| before the step
+    rho: tf.Tensor
+
+
+def init_state(controller, scaling, num_params, dtype):
+    dstate = controller.init(dtype)
+    return LMState(dstate.damping, dstate.nu, scaling.init(num_params, dtype))
+
+
+def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
+                             scaling, solver, max_attempts):
+    """Runs one LM iteration from the linearisation ``lin``.
+
+    Args:
+      lin: `Linearization` at the current ``variables``.
+      cost_fn: zero-argument function, ``0.5 * sum r^2`` at the current values
+        of ``variables`` (evaluated once per attempt).
+      variables: the parameters (``tf.Variable``s), updated in place.
+      state: `LMState`.
+      controller, scaling, solver: the damping rule, the damping matrix and
+        the linear solver.
+      max_attempts: Python int, attempts before giving up on this iteration.
+
+    Returns:
+      ``(new_state, StepInfo)``.
+    """
+    dtype = lin.jtr.dtype
+    x0 = [tf.identity(v) for v in variables]
+    jtj_diag = tf.linalg.diag_part(lin.jtj)
+    scale = scaling.update(state.scale, jtj_diag)
+    d2 = scaling.diagonal(scale, jtj_diag)
+
+    def attempt(i, accepted, damping, nu, new_cost, step_norm, rho):
+        del accepted, new_cost, step_norm, rho
+        step, ok = solver.solve(lin, damping, d2)
+        step = tf.where(ok, step, tf.zeros_like(step))
+        for v, v0, d in zip(variables, x0, lin_lib.unflatten(step, variables)):
+            v.assign(v0 + d)
+        trial = tf.cast(cost_fn(), dtype)
+        predicted = -tf.tensordot(step, lin.jtr, 1) - 0.5 * tf.tensordot(
+            step, tf.linalg.matvec(lin.jtj, step), 1)
+        rho = (lin.cost - trial) / tf.where(predicted > 0, predicted,
+                                            tf.ones_like(predicted))
+        good = ok & tf.math.is_finite(trial) & (predicted > 0) & (rho > 0)
+        dstate = damping_lib.DampingState(damping, nu)
+        dstate = tf.cond(good, lambda: controller.accept(dstate, rho),
+                         lambda: controller.reject(dstate))
+        return (i + 1, good, dstate.damping, dstate.nu,
+                tf.where(good, trial, lin.cost), tf.norm(step), rho)
+
+    zero = tf.constant(0.0, dtype)
+    attempts, accepted, damping, nu, new_cost, step_norm, rho = tf.while_loop(
+        lambda i, accepted, *_: (i < max_attempts) & tf.logical_not(accepted),
+        attempt,
+        (tf.constant(0), tf.constant(False), state.damping, state.nu,
+         lin.cost, zero, zero),
+        maximum_iterations=max_attempts)
+
+    def restore():
+        for v, v0 in zip(variables, x0):
+            v.assign(v0)
+        return tf.constant(True)
+
+    tf.cond(accepted, lambda: tf.constant(False), restore)
+    info = StepInfo(cost=lin.cost, new_cost=new_cost, accepted=accepted,
+                    attempts=attempts, step_norm=tf.where(accepted, step_norm, zero),
+                    gradient_norm=tf.reduce_max(tf.abs(lin.jtr)), rho=rho)
+    return LMState(damping, nu, scale), info
