@@ -35,6 +35,7 @@ class StepInfo(NamedTuple):
     step_norm: tf.Tensor
     gradient_norm: tf.Tensor  # max |J^T r| before the step
     rho: tf.Tensor
+    predicted: tf.Tensor     # model decrease L(0) - L(d) of the last attempt
 
 
 def init_state(controller, scaling, num_params, dtype):
@@ -65,8 +66,8 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
     scale = scaling.update(state.scale, jtj_diag)
     d2 = scaling.diagonal(scale, jtj_diag)
 
-    def attempt(i, accepted, damping, nu, new_cost, step_norm, rho):
-        del accepted, new_cost, step_norm, rho
+    def attempt(i, accepted, damping, nu, new_cost, step_norm, rho, predicted):
+        del accepted, new_cost, step_norm, rho, predicted
         step, ok = solver.solve(lin, damping, d2)
         step = tf.where(ok, step, tf.zeros_like(step))
         for v, v0, d in zip(variables, x0, lin_lib.unflatten(step, variables)):
@@ -81,14 +82,15 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
         dstate = tf.cond(good, lambda: controller.accept(dstate, rho),
                          lambda: controller.reject(dstate))
         return (i + 1, good, dstate.damping, dstate.nu,
-                tf.where(good, trial, lin.cost), tf.norm(step), rho)
+                tf.where(good, trial, lin.cost), tf.norm(step), rho, predicted)
 
     zero = tf.constant(0.0, dtype)
-    attempts, accepted, damping, nu, new_cost, step_norm, rho = tf.while_loop(
+    (attempts, accepted, damping, nu, new_cost, step_norm, rho,
+     predicted) = tf.while_loop(
         lambda i, accepted, *_: (i < max_attempts) & tf.logical_not(accepted),
         attempt,
         (tf.constant(0), tf.constant(False), state.damping, state.nu,
-         lin.cost, zero, zero),
+         lin.cost, zero, zero, zero),
         maximum_iterations=max_attempts)
 
     def restore():
@@ -99,5 +101,6 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
     tf.cond(accepted, lambda: tf.constant(False), restore)
     info = StepInfo(cost=lin.cost, new_cost=new_cost, accepted=accepted,
                     attempts=attempts, step_norm=tf.where(accepted, step_norm, zero),
-                    gradient_norm=tf.reduce_max(tf.abs(lin.jtr)), rho=rho)
+                    gradient_norm=tf.reduce_max(tf.abs(lin.jtr)), rho=rho,
+                    predicted=predicted)
     return LMState(damping, nu, scale), info
