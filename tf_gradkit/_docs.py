@@ -80,3 +80,41 @@ def unexpected_kwargs(kwargs):
 def wrong_model(model, accepted):
     return (f"GradientAccumulator: `model` must be a {accepted}. Received: "
             f"model={type(model).__module__}.{type(model).__name__}")
+
+
+LEVENBERG_MARQUARDT = """Levenberg-Marquardt as a {flavour} optimizer.
+
+    LM minimises ``0.5 * |r|^2`` by solving the damped Gauss-Newton system
+    ``(J^T J + lambda D^2) d = -J^T r`` each iteration, accepting the step when
+    the cost drops as the linear model predicts (gain ratio) and otherwise
+    raising ``lambda`` and retrying from the same J^T J and J^T r. The whole
+    iteration, retries included, is one compiled graph (XLA-ready).
+
+    Use it with its model: ``model.compile(optimizer=LevenbergMarquardt(model),
+    loss="mse")``; the optimizer then takes over that model's train step
+    (residuals ``sqrt(w) * (y_pred - y)``, so sample weights count as in the
+    loss) and the progress bar shows ``damping`` and ``attempts``. In custom
+    code, ``loss = optimizer.minimize(residual_fn, var_list)`` runs one
+    iteration; for a whole solve see ``tf_gradkit.least_squares``.
+
+    Args:
+      model: the {flavour} model to train with ``fit``.
+      controller: damping rule, "nielsen" (default, gain-ratio) or
+        "multiply_divide" (MATLAB trainlm: x10 / x0.1), or an object from
+        ``tf_gradkit.core.lm``.
+      scaling: "marquardt" (default, ``D^2`` = running max of diag(J^T J)) or
+        "levenberg" (``D = I``).
+      solver: "cholesky" (default, normal equations), "qr" (augmented system,
+        for ill-conditioned problems) or "dual" (J J^T, fewer residuals than
+        parameters).
+      max_attempts: damped solves per iteration before giving up (the weights
+        are then restored exactly).
+      chunk_size: rows of the Jacobian formed at a time under ``fit`` (memory
+        ``chunk_size * P + P^2`` whatever the batch); None forms it whole.
+      name: optional name.
+
+    Example:
+
+    >>> model.compile(optimizer=LevenbergMarquardt(model), loss="mse")
+    >>> model.fit(x, y, batch_size=1000, epochs=100)
+    """

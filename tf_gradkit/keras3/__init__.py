@@ -2,5 +2,6 @@
 
 from tf_gradkit.keras3.gradient_accumulator import GradientAccumulator
 from tf_gradkit.keras3.layers import AccumBatchNormalization
+from tf_gradkit.keras3.levenberg_marquardt import LevenbergMarquardt
 
-__all__ = ["AccumBatchNormalization", "GradientAccumulator"]
+__all__ = ["AccumBatchNormalization", "GradientAccumulator", "LevenbergMarquardt"]

@@ -7,7 +7,7 @@
 
 from tf_gradkit import _flavour
 
-__all__ = ["GradientAccumulator"]
+__all__ = ["GradientAccumulator", "LevenbergMarquardt"]
 
 
 def __getattr__(name):

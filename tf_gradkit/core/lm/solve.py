@@ -134,11 +134,17 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                 small_step = info.accepted & (info.step_norm <= xtol * (xtol + x_norm))
                 small_drop = info.accepted & (
                     info.cost - info.new_cost <= ftol * info.cost)
-                at_roundoff = ~info.accepted & (info.predicted <= ftol * info.cost)
+                # Every attempt rejected: converged at round-off if the model
+                # promises no real decrease, or if even the least damped step
+                # moves x by less than sqrt(eps) (the cost cannot resolve it).
+                stalled = ~info.accepted
+                flat = stalled & (info.predicted <= ftol * info.cost)
+                tiny = stalled & (info.first_step_norm <= tf.sqrt(
+                    tf.constant(eps, dtype)) * (1e-8 + x_norm))
                 code = tf.where(
-                    at_roundoff, 3, tf.where(
-                        ~info.accepted, 5,
-                        tf.where(small_step, 2, tf.where(small_drop, 3, 0))))
+                    flat, 3, tf.where(tiny, 2, tf.where(
+                        stalled, 5,
+                        tf.where(small_step, 2, tf.where(small_drop, 3, 0)))))
                 return new_state, info.new_cost, code
 
             new_state, new_cost, code = tf.cond(

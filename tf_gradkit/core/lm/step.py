@@ -36,6 +36,7 @@ class StepInfo(NamedTuple):
     gradient_norm: tf.Tensor  # max |J^T r| before the step
     rho: tf.Tensor
     predicted: tf.Tensor     # model decrease L(0) - L(d) of the last attempt
+    first_step_norm: tf.Tensor  # |d| of the first (least damped) attempt
 
 
 def init_state(controller, scaling, num_params, dtype):
@@ -66,7 +67,8 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
     scale = scaling.update(state.scale, jtj_diag)
     d2 = scaling.diagonal(scale, jtj_diag)
 
-    def attempt(i, accepted, damping, nu, new_cost, step_norm, rho, predicted):
+    def attempt(i, accepted, damping, nu, new_cost, step_norm, rho, predicted,
+                first_norm):
         del accepted, new_cost, step_norm, rho, predicted
         step, ok = solver.solve(lin, damping, d2)
         step = tf.where(ok, step, tf.zeros_like(step))
@@ -81,16 +83,18 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
         dstate = damping_lib.DampingState(damping, nu)
         dstate = tf.cond(good, lambda: controller.accept(dstate, rho),
                          lambda: controller.reject(dstate))
+        norm = tf.norm(step)
         return (i + 1, good, dstate.damping, dstate.nu,
-                tf.where(good, trial, lin.cost), tf.norm(step), rho, predicted)
+                tf.where(good, trial, lin.cost), norm, rho, predicted,
+                tf.where(tf.equal(i, 0), norm, first_norm))
 
     zero = tf.constant(0.0, dtype)
-    (attempts, accepted, damping, nu, new_cost, step_norm, rho,
-     predicted) = tf.while_loop(
+    (attempts, accepted, damping, nu, new_cost, step_norm, rho, predicted,
+     first_norm) = tf.while_loop(
         lambda i, accepted, *_: (i < max_attempts) & tf.logical_not(accepted),
         attempt,
         (tf.constant(0), tf.constant(False), state.damping, state.nu,
-         lin.cost, zero, zero, zero),
+         lin.cost, zero, zero, zero, zero),
         maximum_iterations=max_attempts)
 
     def restore():
@@ -102,5 +106,5 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
     info = StepInfo(cost=lin.cost, new_cost=new_cost, accepted=accepted,
                     attempts=attempts, step_norm=tf.where(accepted, step_norm, zero),
                     gradient_norm=tf.reduce_max(tf.abs(lin.jtr)), rho=rho,
-                    predicted=predicted)
+                    predicted=predicted, first_step_norm=first_norm)
     return LMState(damping, nu, scale), info

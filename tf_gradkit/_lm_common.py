@@ -1,0 +1,254 @@
+"""What both LevenbergMarquardt adapters share, none of it Keras-specific.
+
+LM needs residuals and their Jacobian, not a gradient, so the optimizer is
+handed its model and takes over that model's ``train_step`` (an instance-level
+bound method: both Keras flavours honour it in ``fit``, with ``jit_compile``
+and ``steps_per_execution``); custom code calls ``minimize(residual_fn,
+var_list)``. Plain ``apply_gradients`` raises, saying how to use it.
+"""
+
+import tensorflow as tf
+
+from tf_gradkit.core.lm import damping as damping_lib
+from tf_gradkit.core.lm import linearize as lin_lib
+from tf_gradkit.core.lm import solve as solve_lib
+from tf_gradkit.core.lm import solvers as solvers_lib
+from tf_gradkit.core.lm import step as step_lib
+
+MSE_NAMES = ("mse", "mean_squared_error", "MeanSquaredError")
+
+USAGE = (
+    "LevenbergMarquardt needs residuals and their Jacobian, not gradients. "
+    "Use it as `model.compile(optimizer=LevenbergMarquardt(model), loss='mse')` "
+    "then `model.fit(...)` (the optimizer takes over that model's train step), "
+    "or call `optimizer.minimize(residual_fn, var_list)` in a custom loop.")
+
+
+def validate_lm_arguments(max_attempts, chunk_size):
+    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) \
+            or max_attempts < 1:
+        raise ValueError("LevenbergMarquardt: `max_attempts` must be an integer "
+                         f">= 1. Received: max_attempts={max_attempts!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(
+            chunk_size, int) or chunk_size < 1):
+        raise ValueError("LevenbergMarquardt: `chunk_size` must be None or an "
+                         f"integer >= 1. Received: chunk_size={chunk_size!r}")
+
+
+def _loss_name(loss):
+    if isinstance(loss, str):
+        return loss
+    if isinstance(loss, (list, tuple)) and loss:
+        names = {_loss_name(item) for item in loss}
+        return names.pop() if len(names) == 1 else None
+    if isinstance(loss, dict) and loss:
+        names = {_loss_name(item) for item in loss.values()}
+        return names.pop() if len(names) == 1 else None
+    return getattr(loss, "__name__", type(loss).__name__)
+
+
+class LevenbergMarquardtMixin:
+    """The flavour-independent half of ``LevenbergMarquardt``.
+
+    Adapters provide ``_make_state_variable(shape, dtype, name, initial)``,
+    ``_tf_variables(variables)`` (the plain ``tf.Variable``s behind them),
+    ``_unpack(data)`` and ``_report(model, x, y, y_pred, sample_weight)``.
+    """
+
+    def _init_lm(self, model, controller, scaling, solver, max_attempts,
+                 chunk_size):
+        validate_lm_arguments(max_attempts, chunk_size)
+        self.controller = solve_lib.resolve_part(
+            controller, damping_lib.CONTROLLERS, "controller")
+        self.scaling = solve_lib.resolve_part(scaling, damping_lib.SCALINGS,
+                                              "scaling")
+        self.solver = solve_lib.resolve_part(solver, solvers_lib.SOLVERS, "solver")
+        self._part_names = (controller if isinstance(controller, str) else None,
+                            scaling if isinstance(scaling, str) else None,
+                            solver if isinstance(solver, str) else None)
+        self.max_attempts = max_attempts
+        self.chunk_size = chunk_size
+        self._lm_vars = None
+        if model is not None:
+            self._take_over_train_step(model)
+
+    # ----------------------------------------------------------------- state
+    def _build_lm(self, var_list):
+        var_list = list(var_list)
+        dtype = self._solve_dtype(var_list)
+        num_params = sum(v.shape.num_elements() for v in var_list)
+        init = step_lib.init_state(self.controller, self.scaling, num_params, dtype)
+        self._lm_vars = step_lib.LMState(
+            damping=self._make_state_variable((), dtype, "damping", init.damping),
+            nu=self._make_state_variable((), dtype, "nu", init.nu),
+            scale=self._make_state_variable((num_params,), dtype, "scale",
+                                            init.scale))
+        self._last_attempts = self._make_state_variable((), tf.int32, "attempts", 0)
+        self._lm_var_list = var_list
+
+    @staticmethod
+    def _solve_dtype(var_list):
+        # Mixed precision keeps float32 variables; the solve runs in their dtype.
+        dtypes = {tf.as_dtype(v.dtype).base_dtype for v in var_list}
+        return tf.float64 if tf.float64 in dtypes else tf.float32
+
+    def _read_state(self):
+        return step_lib.LMState(*[tf.convert_to_tensor(v) for v in self._lm_vars])
+
+    def _write_state(self, state, info):
+        for var, value in zip(self._lm_vars, state):
+            var.assign(value)
+        self._last_attempts.assign(info.attempts)
+        self.iterations.assign_add(1)
+
+    @property
+    def damping(self):
+        """The current damping ``lambda``."""
+        return self._lm_vars.damping
+
+    @property
+    def last_attempts(self):
+        """Damped solves the last iteration needed (1 = first one accepted)."""
+        return self._last_attempts
+
+    # ------------------------------------------------------------- the step
+    def minimize(self, residual_fn, var_list, tape=None):
+        """One LM iteration on ``0.5 * sum(residual_fn()**2)``.
+
+        Args:
+          residual_fn: zero-argument callable returning residuals (any shape).
+          var_list: the variables to update.
+          tape: not used (LM computes its own Jacobian); must be None.
+
+        Returns:
+          The cost ``0.5 * sum r^2`` after the iteration.
+        """
+        if tape is not None or not callable(residual_fn):
+            raise ValueError(
+                "LevenbergMarquardt.minimize(residual_fn, var_list): "
+                "`residual_fn` must be a zero-argument callable returning "
+                f"residuals. Received: {type(residual_fn).__name__}. " + USAGE)
+        var_list = list(var_list)
+        if self._lm_vars is None:
+            with tf.init_scope():
+                self.build(var_list)
+        tf_vars = self._tf_variables(var_list)
+        dtype = self._lm_vars.damping.dtype
+        lin = lin_lib.linearize(residual_fn, tf_vars, self.solver.needs_jacobian,
+                                dtype)
+        return self._iterate(lin, lambda: _half_sum_sq(residual_fn(), dtype),
+                             tf_vars)[1].new_cost
+
+    def _iterate(self, lin, cost_fn, tf_vars):
+        state, info = step_lib.levenberg_marquardt_step(
+            lin, cost_fn, tf_vars, self._read_state(), controller=self.controller,
+            scaling=self.scaling, solver=self.solver,
+            max_attempts=self.max_attempts)
+        self._write_state(state, info)
+        return state, info
+
+    def _take_over_train_step(self, model):
+        optimizer = self
+
+        def train_step(data):
+            return optimizer._fit_step(model, data)
+
+        object.__setattr__(model, "train_step", train_step)
+
+    def _fit_step(self, model, data):
+        loss_name = _loss_name(getattr(model, "loss", None))
+        if loss_name not in MSE_NAMES:
+            raise ValueError(
+                "LevenbergMarquardt: the model must be compiled with a mean "
+                f"squared error loss (one of {MSE_NAMES}). Received: "
+                f"loss={getattr(model, 'loss', None)!r}")
+        x, y, sample_weight = self._unpack(data)
+        variables = model.trainable_variables
+        if self._lm_vars is None:
+            with tf.init_scope():
+                self.build(variables)
+        tf_vars = self._tf_variables(variables)
+        dtype = self._lm_vars.damping.dtype
+
+        def residuals(xb, yb, wb):
+            y_pred = model(xb, training=True)
+            return _mse_residuals(y_pred, yb, wb, dtype)
+
+        y_pred = model(x, training=False)
+        batch = tf.shape(tf.nest.flatten(x)[0])[0]
+        if self.chunk_size is None:
+            lin = lin_lib.linearize(lambda: residuals(x, y, sample_weight),
+                                    tf_vars, self.solver.needs_jacobian, dtype)
+        else:
+            lin = self._chunked(residuals, x, y, sample_weight, batch, tf_vars, dtype)
+        _, info = self._iterate(
+            lin, lambda: _half_sum_sq(residuals(x, y, sample_weight), dtype),
+            tf_vars)
+        logs = self._report(model, x, y, y_pred, sample_weight)
+        logs = dict(logs)
+        logs["damping"] = self._lm_vars.damping
+        logs["attempts"] = info.attempts
+        return logs
+
+    def _chunked(self, residuals, x, y, sample_weight, batch, tf_vars, dtype):
+        if self.solver.needs_jacobian:
+            raise ValueError(
+                "LevenbergMarquardt: `chunk_size` bounds memory by never holding "
+                "the whole Jacobian, so it needs solver='cholesky'. Received: "
+                f"solver={type(self.solver).__name__}")
+        size = self.chunk_size
+        num_chunks = (batch + size - 1) // size
+
+        def chunk(i):
+            idx = i * size + tf.range(size)
+            valid = tf.cast(idx < batch, dtype)
+            idx = tf.minimum(idx, batch - 1)
+            take = lambda t: tf.gather(t, idx)  # noqa: E731
+            xb = tf.nest.map_structure(take, x)
+            yb = tf.nest.map_structure(take, y)
+            wb = valid if sample_weight is None else valid * tf.cast(
+                take(sample_weight), dtype)
+            return residuals(xb, yb, wb)
+
+        return lin_lib.linearize_chunked(chunk, num_chunks, tf_vars, dtype)
+
+    def apply_gradients(self, *args, **kwargs):
+        del args, kwargs
+        raise ValueError(USAGE)
+
+    def apply(self, *args, **kwargs):
+        del args, kwargs
+        raise ValueError(USAGE)
+
+    def _lm_config(self):
+        def part(obj, name):
+            return name if name is not None else type(obj).__name__.lower()
+        controller, scaling, solver = self._part_names
+        return {
+            "name": self.name,
+            "controller": part(self.controller, controller),
+            "scaling": part(self.scaling, scaling),
+            "solver": part(self.solver, solver),
+            "max_attempts": self.max_attempts,
+            "chunk_size": self.chunk_size,
+        }
+
+
+def _half_sum_sq(residuals, dtype):
+    r = tf.cast(tf.reshape(residuals, [-1]), dtype)
+    return 0.5 * tf.reduce_sum(tf.square(r))
+
+
+def _mse_residuals(y_pred, y, sample_weight, dtype):
+    """Residuals whose half squared norm is proportional to the weighted MSE:
+    ``sqrt(w) * (y_pred - y)`` per output element (weights as square roots, so
+    sample weights count exactly as in the loss)."""
+    parts = []
+    for yp, yt in zip(tf.nest.flatten(y_pred), tf.nest.flatten(y)):
+        diff = tf.cast(yp, dtype) - tf.cast(tf.reshape(yt, tf.shape(yp)), dtype)
+        diff = tf.reshape(diff, [tf.shape(diff)[0], -1])
+        if sample_weight is not None:
+            w = tf.reshape(tf.cast(sample_weight, dtype), [-1, 1])
+            diff = diff * tf.sqrt(w)
+        parts.append(tf.reshape(diff, [-1]))
+    return tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
