@@ -2,5 +2,6 @@
 
 from tf_gradkit.tf_keras.gradient_accumulator import GradientAccumulator
 from tf_gradkit.tf_keras.layers import AccumBatchNormalization
+from tf_gradkit.tf_keras.levenberg_marquardt import LevenbergMarquardt
 
-__all__ = ["AccumBatchNormalization", "GradientAccumulator"]
+__all__ = ["AccumBatchNormalization", "GradientAccumulator", "LevenbergMarquardt"]
