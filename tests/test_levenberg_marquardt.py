@@ -1,0 +1,307 @@
+"""Levenberg-Marquardt: the core parts by hand, the step, and the Keras paths."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_gradkit
+from conftest import compile_fn
+from helpers import max_abs_diff, mlp, regression_data, weights_of
+from tf_gradkit.core.lm import damping as damping_lib
+from tf_gradkit.core.lm import linearize as lin_lib
+from tf_gradkit.core.lm import solvers as solvers_lib
+from tf_gradkit.core.lm import step as step_lib
+
+F64 = tf.float64
+
+
+# ------------------------------------------------------------ damping rules
+def test_nielsen_rule_by_hand():
+    rule = damping_lib.Nielsen(initial=1.0)
+    state = rule.init(F64)
+    # rho = 1 (perfect model): lambda /= 3; rho = 0.5: 1 - 0^3 = 1, unchanged.
+    assert float(rule.accept(state, tf.constant(1.0, F64)).damping) == pytest.approx(1 / 3)
+    assert float(rule.accept(state, tf.constant(0.5, F64)).damping) == pytest.approx(1.0)
+    # rho = 0.25: 1 - (-0.5)^3 = 1.125.
+    assert float(rule.accept(state, tf.constant(0.25, F64)).damping) == pytest.approx(1.125)
+    once = rule.reject(state)
+    twice = rule.reject(once)
+    assert (float(once.damping), float(once.nu)) == (2.0, 4.0)
+    assert (float(twice.damping), float(twice.nu)) == (8.0, 8.0)
+    assert float(rule.accept(twice, tf.constant(1.0, F64)).nu) == 2.0
+
+
+def test_multiply_divide_rule_and_clipping():
+    rule = damping_lib.MultiplyDivide(initial=1e-3, floor=1e-4, ceiling=1e-1)
+    state = rule.init(F64)
+    assert float(rule.reject(state).damping) == pytest.approx(1e-2)
+    assert float(rule.accept(state, tf.constant(0.9, F64)).damping) == pytest.approx(1e-4)
+    low = rule.accept(rule.accept(state, tf.constant(0.9, F64)), tf.constant(0.9, F64))
+    assert float(low.damping) == pytest.approx(1e-4)  # floor
+    high = rule.reject(rule.reject(rule.reject(state)))
+    assert float(high.damping) == pytest.approx(1e-1)  # ceiling
+
+
+@pytest.mark.parametrize("cls,kwargs,match", [
+    (damping_lib.Nielsen, {"initial": -1.0}, "`initial` must be a positive"),
+    (damping_lib.Nielsen, {"initial": 10.0, "ceiling": 1.0}, "floor <= initial <= ceiling"),
+    (damping_lib.MultiplyDivide, {"increase": 0.5}, "increase > 1"),
+])
+def test_bad_damping_arguments(cls, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cls(**kwargs)
+
+
+def test_marquardt_scaling_is_a_running_max():
+    scaling = damping_lib.Marquardt()
+    scale = scaling.update(scaling.init(2, F64), tf.constant([4.0, 1.0], F64))
+    scale = scaling.update(scale, tf.constant([2.0, 3.0], F64))
+    np.testing.assert_array_equal(scale.numpy(), [4.0, 3.0])
+
+
+# ------------------------------------------------------------ linear solvers
+def _hand_problem():
+    rng = np.random.RandomState(0)
+    jac = rng.randn(7, 3)
+    res = rng.randn(7)
+    lin = solvers_lib.Linearization(
+        cost=tf.constant(0.5 * res @ res), jtj=tf.constant(jac.T @ jac),
+        jtr=tf.constant(jac.T @ res), residuals=tf.constant(res),
+        jacobian=tf.constant(jac))
+    return jac, res, lin
+
+
+@pytest.mark.parametrize("solver", ["cholesky", "qr", "dual"])
+def test_solvers_match_the_damped_normal_equations(solver):
+    jac, res, lin = _hand_problem()
+    d2 = np.array([1.0, 2.0, 0.5])
+    lam = 0.3
+    expected = np.linalg.solve(jac.T @ jac + lam * np.diag(d2), -jac.T @ res)
+    step, ok = solvers_lib.SOLVERS[solver]().solve(lin, tf.constant(lam, F64),
+                                                   tf.constant(d2))
+    assert bool(ok)
+    # float64 solves of a 3x3 system with condition ~10: 1e-12 is generous.
+    np.testing.assert_allclose(step.numpy(), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_cholesky_reports_failure_instead_of_nan_step():
+    lin = solvers_lib.Linearization(
+        cost=tf.constant(1.0, F64), jtj=-tf.eye(2, dtype=F64),
+        jtr=tf.ones([2], F64))
+    step, ok = solvers_lib.Cholesky().solve(lin, tf.constant(0.0, F64),
+                                            tf.ones([2], F64))
+    assert not bool(ok)
+
+
+def test_forward_and_reverse_jacobians_agree():
+    a = tf.Variable([1.0, 2.0], dtype=F64)
+    b = tf.Variable(0.5, dtype=F64)
+    x = tf.constant(np.linspace(0, 1, 5))
+
+    def fn():
+        return a[0] * tf.exp(-b * x) + a[1] * x
+
+    _, fwd = lin_lib.residuals_and_jacobian(fn, [a, b], F64, "forward")
+    _, rev = lin_lib.residuals_and_jacobian(fn, [a, b], F64, "reverse")
+    manual = np.stack([np.exp(-0.5 * x.numpy()), x.numpy(),
+                       -x.numpy() * np.exp(-0.5 * x.numpy())], axis=1)
+    np.testing.assert_allclose(fwd.numpy(), manual, rtol=1e-12)
+    np.testing.assert_allclose(rev.numpy(), manual, rtol=1e-12)
+
+
+# ------------------------------------------------------------ the step
+def _step(variables, residual_fn, solver="cholesky", max_attempts=10, initial=1e-3):
+    controller = damping_lib.Nielsen(initial=initial, floor=1e-300)
+    scaling = damping_lib.Marquardt()
+    solver = solvers_lib.SOLVERS[solver]()
+    lin = lin_lib.linearize(residual_fn, variables, solver.needs_jacobian, F64)
+    state = step_lib.init_state(controller, scaling, 2, F64)
+    return step_lib.levenberg_marquardt_step(
+        lin, lambda: 0.5 * tf.reduce_sum(tf.square(residual_fn())), variables,
+        state, controller=controller, scaling=scaling, solver=solver,
+        max_attempts=max_attempts)
+
+
+@pytest.mark.parametrize("solver", ["cholesky", "qr", "dual"])
+def test_linear_problem_solved_in_one_nearly_undamped_step(solver, mode):
+    x = tf.constant(np.linspace(0, 1, 6))
+    y = 3.0 * x - 1.0
+    w = tf.Variable(0.0, dtype=F64)
+    c = tf.Variable(0.0, dtype=F64)
+    fn = compile_fn(lambda: _step([w, c], lambda: w * x + c - y, solver,
+                                  initial=1e-12)[1], mode)
+    info = fn()
+    assert bool(info.accepted) and int(info.attempts) == 1
+    # lambda = 1e-12 perturbs the exact solution by ~1e-12 relative.
+    assert float(w) == pytest.approx(3.0, abs=1e-9)
+    assert float(c) == pytest.approx(-1.0, abs=1e-9)
+
+
+def test_rejected_steps_restore_weights_exactly(mode):
+    w = tf.Variable(0.7, dtype=F64)
+    c = tf.Variable(-0.2, dtype=F64)
+    x = tf.constant(np.linspace(0, 1, 6))
+    calls = tf.Variable(0)
+
+    def residuals():
+        # Finite at the starting point (linearisation), NaN at every trial.
+        calls.assign_add(1)
+        bad = tf.cast(calls > 1, F64) * np.nan
+        return w * x + c + tf.where(calls > 1, bad, tf.zeros_like(x))
+
+    def run():
+        return _step([w, c], residuals, max_attempts=4)
+
+    state, info = compile_fn(run, mode)()
+    assert not bool(info.accepted) and int(info.attempts) == 4
+    assert float(w) == 0.7 and float(c) == -0.2   # bit for bit
+    assert float(state.damping) > 1e-3             # damping was raised
+
+
+# ------------------------------------------------------------ least_squares
+def test_least_squares_reports_convergence(mode):
+    a = tf.Variable(1.0, dtype=F64)
+    b = tf.Variable(0.1, dtype=F64)
+    x = tf.constant([1.0, 2.0, 3.0, 4.0], F64)
+    y = 2.5 * tf.exp(-0.3 * x) + tf.constant([1e-3, -1e-3, 2e-3, 0.0], F64)
+
+    def solve():
+        return tf_gradkit.least_squares(lambda: a * tf.exp(-b * x) - y, [a, b],
+                                        jit_compile=(mode == "jit"))
+
+    result = solve() if mode != "function" else tf.function(solve)()
+    assert bool(result.converged)
+    assert int(result.iterations) < 50
+    expected_reasons = {"gradient tolerance", "step tolerance", "cost tolerance"}
+    reason = result.reason if isinstance(result.reason, str) else result.reason.numpy().decode()
+    assert reason in expected_reasons
+    # Reference: scipy-free check of optimality, J^T r = 0 at the minimum.
+    with tf.GradientTape() as tape:
+        cost = 0.5 * tf.reduce_sum(tf.square(a * tf.exp(-b * x) - y))
+    grads = tape.gradient(cost, [a, b])
+    assert max(abs(float(g)) for g in grads) < 1e-12
+
+
+def test_least_squares_iteration_limit_is_not_convergence():
+    a = tf.Variable(10.0, dtype=F64)
+    x = tf.constant(np.linspace(0, 3, 20))
+    result = tf_gradkit.least_squares(lambda: tf.exp(-a * x) - tf.exp(-x), [a],
+                                      max_iterations=1)
+    assert result.reason == "iteration limit" and not bool(result.converged)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"var_list": []}, "`var_list` is empty"),
+    ({"max_iterations": 0}, "`max_iterations` must be an integer >= 1"),
+    ({"solver": "svd"}, "`solver` must be one of"),
+    ({"controller": "gauss"}, "`controller` must be one of"),
+])
+def test_least_squares_bad_input(kwargs, match):
+    a = tf.Variable(1.0, dtype=F64)
+    args = {"residual_fn": lambda: a - 1.0, "var_list": [a]}
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        tf_gradkit.least_squares(**args)
+    assert float(a) == 1.0
+
+
+# ------------------------------------------------------------ Keras paths
+def _relative_diff(a, b):
+    """Max difference relative to the largest weight: float32 normal equations
+    lose eps * cond(J^T J + lambda D^2) ~ 6e-8 * 1e3 relative, so 1e-4 leaves
+    room for summation order while a wrong weighting shows at 1e-2."""
+    scale = max(float(np.max(np.abs(w))) for w in a)
+    return max_abs_diff(a, b) / scale
+
+
+def test_fit_reports_metrics_damping_and_attempts(K, gk):
+    x, y = regression_data(n=64)
+    model = mlp(K, hidden=8)
+    model.compile(optimizer=gk.LevenbergMarquardt(model), loss="mse",
+                  metrics=["mae"])
+    history = model.fit(x, y, batch_size=64, epochs=5, verbose=0)
+    keys = set(history.history)
+    assert {"loss", "mae", "damping", "attempts"} <= keys
+    assert history.history["loss"][-1] < 0.5 * history.history["loss"][0]
+    assert int(model.optimizer.iterations.numpy()) == 5
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_fit_sample_weights_count_like_the_loss(K, gk, jit):
+    # Zero-weight rows contribute nothing: one LM step on the weighted batch
+    # equals one step on the rows that carry weight.
+    x, y = regression_data(n=32)
+    w = np.r_[np.ones(20), np.zeros(12)].astype("float32")
+    weighted = mlp(K)
+    weighted.compile(optimizer=gk.LevenbergMarquardt(weighted), loss="mse",
+                     jit_compile=jit)
+    weighted.fit(x, y, sample_weight=w, batch_size=32, epochs=1, shuffle=False,
+                 verbose=0)
+    subset = mlp(K)
+    subset.compile(optimizer=gk.LevenbergMarquardt(subset), loss="mse",
+                   jit_compile=jit)
+    subset.fit(x[:20], y[:20], batch_size=20, epochs=1, shuffle=False, verbose=0)
+    assert _relative_diff(weights_of(weighted), weights_of(subset)) < 1e-4
+
+
+def test_chunked_jacobian_equals_whole(K, gk):
+    x, y = regression_data(n=26)
+    whole = mlp(K)
+    whole.compile(optimizer=gk.LevenbergMarquardt(whole), loss="mse")
+    whole.fit(x, y, batch_size=26, epochs=1, shuffle=False, verbose=0)
+    chunked = mlp(K)
+    chunked.compile(optimizer=gk.LevenbergMarquardt(chunked, chunk_size=7),
+                    loss="mse")
+    chunked.fit(x, y, batch_size=26, epochs=1, shuffle=False, verbose=0)
+    assert _relative_diff(weights_of(whole), weights_of(chunked)) < 1e-4
+
+
+def test_minimize_fits_a_curve(gk, mode):
+    a = tf.Variable(1.0)
+    b = tf.Variable(0.1)
+    x = tf.constant(np.linspace(0, 2, 30), tf.float32)
+    y = 2.0 * tf.exp(-1.5 * x)
+    opt = gk.LevenbergMarquardt()
+    step = compile_fn(lambda: opt.minimize(lambda: a * tf.exp(-b * x) - y, [a, b]),
+                      mode)
+    for _ in range(30):
+        cost = step()
+    assert float(cost) < 1e-8
+    assert float(a) == pytest.approx(2.0, rel=1e-3)
+    assert float(b) == pytest.approx(1.5, rel=1e-3)
+    assert int(opt.iterations.numpy()) == 30
+
+
+def test_wrong_use_raises_with_how_to(K, gk):
+    x, y = regression_data(n=16)
+    model = mlp(K)
+    model.compile(optimizer=gk.LevenbergMarquardt(), loss="mse")  # no model
+    with pytest.raises(ValueError, match="needs residuals"):
+        model.fit(x, y, epochs=1, verbose=0)
+    opt = gk.LevenbergMarquardt()
+    with pytest.raises(ValueError, match="needs residuals"):
+        opt.apply_gradients([(tf.zeros([1]), tf.Variable([0.0]))])
+    with pytest.raises(ValueError, match="zero-argument callable"):
+        opt.minimize(tf.constant(1.0), [tf.Variable(1.0)])
+    other = mlp(K)
+    other.compile(optimizer=gk.LevenbergMarquardt(other), loss="mae")
+    with pytest.raises(ValueError, match="mean squared error"):
+        other.fit(x, y, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"max_attempts": 0}, "`max_attempts` must be an integer >= 1"),
+    ({"chunk_size": -3}, "`chunk_size` must be None or an integer >= 1"),
+    ({"solver": "lu"}, "`solver` must be one of"),
+    ({"model": "net"}, "`model` must be a"),
+])
+def test_bad_constructor_arguments(gk, kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        gk.LevenbergMarquardt(**kwargs)
+
+
+def test_get_config_round_trip(gk):
+    opt = gk.LevenbergMarquardt(controller="multiply_divide", scaling="levenberg",
+                                solver="qr", max_attempts=4, chunk_size=100)
+    clone = gk.LevenbergMarquardt.from_config(opt.get_config())
+    assert clone.get_config() == opt.get_config()
