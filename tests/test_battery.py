@@ -25,6 +25,9 @@ OPTIMIZERS = {
     "accumulate-lossscale-adam-2": lambda K, gk, model: gk.GradientAccumulator(
         K.mixed_precision.LossScaleOptimizer(K.optimizers.Adam(0.02)), steps=2,
         model=model),
+    "levenberg-marquardt": lambda K, gk, model: gk.LevenbergMarquardt(model),
+    "levenberg-marquardt-qr-classic": lambda K, gk, model: gk.LevenbergMarquardt(
+        model, controller="multiply_divide", scaling="levenberg", solver="qr"),
 }
 
 NAMES = sorted(OPTIMIZERS)
@@ -54,10 +57,14 @@ def test_custom_loop_trains(K, gk, name, mode):
     x, y = regression_data(n=64)
     model = mlp(K, hidden=8)
     opt = OPTIMIZERS[name](K, gk, model)
-    # A custom loop calls apply_gradients; scaling (if any) is the caller's job
-    # exactly as with the inner optimizer, so use a plain loss here.
+    # A custom loop calls apply_gradients (scaling, if any, is the caller's
+    # job, as with the inner optimizer), or minimize(residual_fn, vars) for
+    # optimizers that need residuals rather than gradients.
 
     def step(xb, yb):
+        if getattr(opt, "needs_residuals", False):
+            return opt.minimize(lambda: model(xb, training=True) - yb,
+                                model.trainable_variables)
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
         grads = tape.gradient(loss, model.trainable_variables)

@@ -55,6 +55,9 @@ class LevenbergMarquardtMixin:
     ``_unpack(data)`` and ``_report(model, x, y, y_pred, sample_weight)``.
     """
 
+    # Custom loops call `minimize(residual_fn, var_list)`, not apply_gradients.
+    needs_residuals = True
+
     def _init_lm(self, model, controller, scaling, solver, max_attempts,
                  chunk_size):
         validate_lm_arguments(max_attempts, chunk_size)
