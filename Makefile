@@ -31,6 +31,8 @@ test-tf-keras: $(STAMP)
 test: test-keras3 test-tf-keras
 	$(PY) examples/accumulate_fit.py
 	$(PY) examples/accumulate_custom_loop.py
+	$(PY) examples/lm_curve_fit.py
+	$(PY) examples/lm_fit.py
 	$(PY) examples/conditional_accumulator.py
 
 test-slow: $(STAMP)
@@ -43,6 +45,9 @@ bench: $(STAMP)
 	# on TF 2.21 (shared/ANCHORS.md); --no-deps keeps our environment intact.
 	$(PY) -m pip install -q --no-deps gradient-accumulator tf-levenberg-marquardt
 	$(PY) benchmarks/accumulation.py
+	$(PY) benchmarks/lm_sinc.py
+	$(PY) benchmarks/lm_memory.py
+	$(PY) benchmarks/nist_table.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
