@@ -10,12 +10,22 @@ var_list)``. Plain ``apply_gradients`` raises, saying how to use it.
 import tensorflow as tf
 
 from tf_gradkit.core.lm import damping as damping_lib
+from tf_gradkit.core.lm import ggn as ggn_lib
 from tf_gradkit.core.lm import linearize as lin_lib
 from tf_gradkit.core.lm import solve as solve_lib
 from tf_gradkit.core.lm import solvers as solvers_lib
 from tf_gradkit.core.lm import step as step_lib
 
 MSE_NAMES = ("mse", "mean_squared_error", "MeanSquaredError")
+# Cross-entropies handled through the generalised Gauss-Newton matrix.
+CROSS_ENTROPY = {
+    "categorical_crossentropy": "categorical",
+    "CategoricalCrossentropy": "categorical",
+    "sparse_categorical_crossentropy": "sparse_categorical",
+    "SparseCategoricalCrossentropy": "sparse_categorical",
+    "binary_crossentropy": "binary",
+    "BinaryCrossentropy": "binary",
+}
 
 USAGE = (
     "LevenbergMarquardt needs residuals and their Jacobian, not gradients. "
@@ -33,6 +43,17 @@ def validate_lm_arguments(max_attempts, chunk_size):
             chunk_size, int) or chunk_size < 1):
         raise ValueError("LevenbergMarquardt: `chunk_size` must be None or an "
                          f"integer >= 1. Received: chunk_size={chunk_size!r}")
+
+
+def _from_logits(loss):
+    """Reads ``from_logits`` from a Keras 3 or tf_keras loss object."""
+    if isinstance(loss, (list, tuple)):
+        loss = loss[0]
+    if isinstance(loss, dict):
+        loss = next(iter(loss.values()))
+    if hasattr(loss, "from_logits"):
+        return bool(loss.from_logits)
+    return bool(getattr(loss, "_fn_kwargs", {}).get("from_logits", False))
 
 
 def _loss_name(loss):
@@ -159,12 +180,13 @@ class LevenbergMarquardtMixin:
         object.__setattr__(model, "train_step", train_step)
 
     def _fit_step(self, model, data):
-        loss_name = _loss_name(getattr(model, "loss", None))
-        if loss_name not in MSE_NAMES:
+        loss = getattr(model, "loss", None)
+        loss_name = _loss_name(loss)
+        if loss_name not in MSE_NAMES and loss_name not in CROSS_ENTROPY:
             raise ValueError(
                 "LevenbergMarquardt: the model must be compiled with a mean "
-                f"squared error loss (one of {MSE_NAMES}). Received: "
-                f"loss={getattr(model, 'loss', None)!r}")
+                f"squared error loss (one of {MSE_NAMES}) or a cross-entropy "
+                f"(one of {sorted(CROSS_ENTROPY)}). Received: loss={loss!r}")
         x, y, sample_weight = self._unpack(data)
         variables = model.trainable_variables
         if self._lm_vars is None:
@@ -179,6 +201,10 @@ class LevenbergMarquardtMixin:
 
         y_pred = model(x, training=False)
         batch = tf.shape(tf.nest.flatten(x)[0])[0]
+        if loss_name in CROSS_ENTROPY:
+            return self._fit_step_cross_entropy(
+                model, x, y, sample_weight, y_pred, batch, tf_vars, dtype,
+                CROSS_ENTROPY[loss_name], _from_logits(loss))
         if self.chunk_size is None:
             lin = lin_lib.linearize(lambda: residuals(x, y, sample_weight),
                                     tf_vars, self.solver.needs_jacobian, dtype)
@@ -189,6 +215,30 @@ class LevenbergMarquardtMixin:
             tf_vars)
         logs = self._report(model, x, y, y_pred, sample_weight)
         logs = dict(logs)
+        logs["damping"] = self._lm_vars.damping
+        logs["attempts"] = info.attempts
+        return logs
+
+    def _fit_step_cross_entropy(self, model, x, y, sample_weight, y_pred, batch,
+                                tf_vars, dtype, kind, from_logits):
+        if self.solver.needs_jacobian or self.chunk_size is not None:
+            raise ValueError(
+                "LevenbergMarquardt: cross-entropy losses use the generalised "
+                "Gauss-Newton matrix, which needs solver='cholesky' and "
+                f"chunk_size=None. Received: solver={type(self.solver).__name__}, "
+                f"chunk_size={self.chunk_size}")
+        # Keras reduces with the mean over the batch: weights w_i / B.
+        weights = tf.ones([batch], dtype) if sample_weight is None else tf.cast(
+            tf.reshape(sample_weight, [-1]), dtype)
+        weights = weights / tf.cast(batch, dtype)
+        lin = ggn_lib.linearize_cross_entropy(
+            lambda: model(x, training=True), y, weights, tf_vars, kind,
+            from_logits, dtype)
+        _, info = self._iterate(
+            lin, lambda: ggn_lib.cross_entropy_cost(
+                model(x, training=True), y, weights, kind, from_logits, dtype),
+            tf_vars)
+        logs = dict(self._report(model, x, y, y_pred, sample_weight))
         logs["damping"] = self._lm_vars.damping
         logs["attempts"] = info.attempts
         return logs
