@@ -305,3 +305,19 @@ def test_get_config_round_trip(gk):
                                 solver="qr", max_attempts=4, chunk_size=100)
     clone = gk.LevenbergMarquardt.from_config(opt.get_config())
     assert clone.get_config() == opt.get_config()
+
+
+def test_mixed_precision_model_trains_with_float32_solve(K, gk):
+    x = np.linspace(-1, 1, 400, dtype="float32")[:, None]
+    y = np.sinc(5 * x).astype("float32")
+    K.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = K.Sequential([K.Input((1,)), K.layers.Dense(10, activation="tanh"),
+                              K.layers.Dense(1, dtype="float32")])
+        opt = gk.LevenbergMarquardt(model)
+        model.compile(optimizer=opt, loss="mse")
+        history = model.fit(x, y, batch_size=400, epochs=10, verbose=0)
+    finally:
+        K.mixed_precision.set_global_policy("float32")
+    assert opt.damping.dtype == tf.float32
+    assert history.history["loss"][-1] < 0.2 * history.history["loss"][0]
