@@ -20,8 +20,8 @@ Why it is built this way:
 - Peak memory needs a process of its own per configuration: this script
   re-runs itself (``--worker memory``) and reports the growth of
   ``ru_maxrss`` over the baseline taken after imports and data creation.
-- Distribution: ``MirroredStrategy`` over two logical CPUs, with a
-  cross-device-ops subclass that counts, at run time, how many elements every
+- Distribution: ``MirroredStrategy`` over two logical CPUs, with its
+  ``ReductionToOneDevice`` instrumented to count, at run time, how many elements every
   executed cross-replica reduction carries, and tags the reduction ops it
   creates so they can be found in the traced graph (cond branches included).
 
@@ -158,17 +158,23 @@ def _timed_fit(model, ds, steps, timer_cls):
 
 
 _GENERIC = ("Exception encountered when calling", "Graph execution error",
-            "Detected at node", "File ", "Arguments received", "[[")
+            "Detected at node", "File ", "Arguments received", "[[",
+            "in user code")
 
 
 def _error_text(exc):
     """The first informative line of an error (Keras wraps the real one)."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # Keras bolds its messages
     lines = [l.strip() for l in text.splitlines() if l.strip()]
-    useful = [l for l in lines
-              if not l.startswith(_GENERIC) and not l.startswith(("•", "Cf."))]
+    # tf_keras quotes the user-code traceback, then "SomeError: message".
+    typed = [l for l in lines if re.match(r"^[\w.]*(Error|Exception): ", l)]
+    useful = typed or [l for l in lines if not l.startswith(_GENERIC)
+                       and not l.startswith(("•", "Cf."))]
     line = (useful or lines or [""])[0]
-    return f"{type(exc).__name__}: {line[:120]}"
+    name = type(exc).__name__
+    if line.startswith(name + ": "):
+        line = line[len(name) + 2:]
+    return f"{name}: {line[:100]}"
 
 
 def worker_timing(args):
@@ -265,39 +271,44 @@ def worker_memory(args):
 REDUCE_SCOPE = "bench_cross_replica_reduce"
 
 
-def _counting_cross_device_ops(tf, counter):
-    """ReductionToOneDevice that counts executed reductions and tags its ops.
+def _instrument_reductions(tf):
+    """Makes every ReductionToOneDevice count what it reduces and tag its ops.
 
-    ``counter`` (int64 [calls, elements]) is bumped by an op created next to
-    each reduction, so it runs exactly when the reduction runs: inside a
-    ``tf.cond`` branch only when that branch is taken.
+    Patched on the class (in this worker process only), because
+    MirroredStrategy also builds its own ReductionToOneDevice for reductions
+    to a CPU destination, e.g. reading a sync-on-read variable in
+    cross-replica context; a subclass passed as ``cross_device_ops`` would miss
+    those. The returned holder's ``counter`` (int64 [calls, elements,
+    scalar calls]) is bumped by an op created next to each reduction, so it
+    runs exactly when the reduction runs: inside a ``tf.cond`` or
+    ``switch_case`` branch only when that branch is taken.
     """
 
-    class CountingReduction(tf.distribute.ReductionToOneDevice):
-        def _count(self, per_replica_value):
-            local = getattr(per_replica_value, "values", (per_replica_value,))[0]
-            if isinstance(local, tf.IndexedSlices):
-                local = local.values
+    class Holder:
+        counter = None
+
+    cls = tf.distribute.ReductionToOneDevice
+    original = cls.reduce_implementation
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations,
+                              options):
+        # batch_reduce_implementation calls this once per value, so counting
+        # here counts every reduction exactly once.
+        local = getattr(per_replica_value, "values", (per_replica_value,))[0]
+        if isinstance(local, tf.IndexedSlices):
+            local = local.values
+        if Holder.counter is not None:
+            size = tf.cast(tf.size(local), tf.int64)
             with tf.device("/cpu:0"):
-                counter.assign_add(tf.stack(
-                    [tf.constant(1, tf.int64), tf.cast(tf.size(local), tf.int64)]))
+                Holder.counter.assign_add(tf.stack(
+                    [tf.constant(1, tf.int64), size,
+                     tf.cast(tf.equal(size, 1), tf.int64)]))
+        with tf.name_scope(REDUCE_SCOPE):
+            return original(self, reduce_op, per_replica_value, destinations,
+                            options)
 
-        # batch_reduce_implementation calls reduce_implementation once per
-        # value, so counting here counts every reduction exactly once.
-        def reduce_implementation(self, reduce_op, per_replica_value,
-                                  destinations, options):
-            self._count(per_replica_value)
-            with tf.name_scope(REDUCE_SCOPE):
-                return super().reduce_implementation(
-                    reduce_op, per_replica_value, destinations, options)
-
-        def batch_reduce_implementation(self, reduce_op, value_destination_pairs,
-                                        options):
-            with tf.name_scope(REDUCE_SCOPE):
-                return super().batch_reduce_implementation(
-                    reduce_op, value_destination_pairs, options)
-
-    return CountingReduction()
+    cls.reduce_implementation = reduce_implementation
+    return Holder
 
 
 def _find_tf_function(fn, depth=3):
@@ -360,29 +371,33 @@ def worker_distributed(args):
     tf, K, gk = _import_stack(args.flavour, logical_cpus=2)
     devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
     timer_cls = _timer_class(K)
+    holder = _instrument_reductions(tf)
     rows = []
     for mode in args.modes:
         for contender in contenders_for(args.flavour):
             row = dict(flavour=args.flavour, model="mlp", mode=mode,
                        contender=contender)
             rows.append(row)
-            counter = tf.Variable([0, 0], dtype=tf.int64, trainable=False)
+            counter = tf.Variable([0, 0, 0], dtype=tf.int64, trainable=False)
+            holder.counter = counter
             strategy = tf.distribute.MirroredStrategy(
-                devices, cross_device_ops=_counting_cross_device_ops(tf, counter))
+                devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
             try:
                 with strategy.scope():
                     model = _build(K, gk, "mlp", contender, mode)
                 params = sum(int(tf.size(v)) for v in model.trainable_variables)
                 ds = _make_dataset(tf, "mlp", 64)
                 _timed_fit(model, ds, 2 * STEPS, timer_cls)
-                counter.assign([0, 0])
+                counter.assign([0, 0, 0])
                 per_batch = []
                 for _ in range(args.repeats):
                     per_batch += _timed_fit(model, ds, args.steps, timer_cls)[1]
-                calls, elements = (int(x) for x in counter.numpy())
+                calls, elements, scalars = (int(x) for x in counter.numpy())
                 micro_steps = args.repeats * args.steps
                 row["reductions_per_step"] = calls / micro_steps
-                row["grad_reductions_per_step"] = elements / params / micro_steps
+                row["scalar_reductions_per_step"] = scalars / micro_steps
+                row["grad_reductions_per_step"] = (
+                    (elements - scalars) / params / micro_steps)
                 closing = [t for i, t in enumerate(per_batch) if i % STEPS == STEPS - 1]
                 opening = [t for i, t in enumerate(per_batch) if i % STEPS != STEPS - 1]
                 row["open_ms"] = 1e3 * statistics.median(opening)
@@ -455,9 +470,9 @@ def main_table(rows, memory):
 
 def distributed_table(rows):
     lines = [
-        "| flavour | mode | contender | reductions / micro-step | gradient "
-        "reductions / micro-step | reduce ops in graph (outside / inside cond) | "
-        "open / closing step ms |",
+        "| flavour | mode | contender | reductions / micro-step (of them "
+        "scalars) | gradient reductions / micro-step | reduce ops in graph "
+        "(outside / inside cond) | open / closing step ms |",
         "|---|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -467,7 +482,8 @@ def distributed_table(rows):
             continue
         graph = ("-" if "outside_cond" not in r else
                  f"{r['outside_cond']} / {r['inside_cond']}")
-        lines.append(head + f"{r['reductions_per_step']:.2f} | "
+        lines.append(head + f"{r['reductions_per_step']:.2f} "
+                     f"({r['scalar_reductions_per_step']:.2f}) | "
                      f"{r['grad_reductions_per_step']:.2f} | {graph} | "
                      f"{r['open_ms']:.2f} / {r['close_ms']:.2f} |")
     return "\n".join(lines)
@@ -491,8 +507,10 @@ def verdicts(rows):
             checks.append(f"within 5% of plain: {'yes' if ratio <= 1.05 else 'NO'} "
                           f"({ratio:.2f})")
         for peer, peer_ratio in peers.items():
-            checks.append(f"vs {peer}: {ratio / peer_ratio:.2f}x "
-                          f"({'ok' if ratio <= peer_ratio * 1.02 else 'SLOWER'})")
+            rel = ratio / peer_ratio
+            word = ("SLOWER" if rel > 1.05 else "faster" if rel < 0.95
+                    else "same within 5%")
+            checks.append(f"vs {peer}: {rel:.2f}x ({word})")
         out.append(f"- {flavour} {model} {mode}: gradkit {ratio:.2f}x plain; "
                    + "; ".join(checks))
     return "\n".join(out)
@@ -505,12 +523,31 @@ def _versions():
     return out.stdout.strip()
 
 
+def _revision():
+    """The commit measured (the library is imported from the working tree)."""
+    def git(*cmd):
+        out = subprocess.run(["git", *cmd], cwd=HERE, capture_output=True,
+                             text=True)
+        return out.stdout.strip()
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--", "../tf_gradkit")
+    return head + (" + uncommitted changes in tf_gradkit/" if dirty else "")
+
+
 def parent(args):
     t_start = time.time()
+    revision = _revision()
+    load_start = os.getloadavg()
     quick = args.quick
-    modes = ["eager", "jit"] if quick else ["eager", "graph", "jit"]
-    steps = 16 if quick else 64
-    repeats = 2 if quick else 7
+    # --quick touches every code path once (jit only, MLP-only memory).
+    modes = ["jit"] if quick else ["eager", "graph", "jit"]
+    mem_modes = ["jit"] if quick else ["eager", "jit"]
+    # jit under MirroredStrategy fails on CPUs for every contender, plain Adam
+    # included (XLA reads a variable placed on the other device): shown once.
+    dist_modes = {"keras3": ["graph"] if quick else ["graph", "jit", "eager"],
+                  "tf_keras": ["graph", "eager"]}
+    steps = 8 if quick else 40  # a whole number of windows
+    repeats = 2 if quick else 5
     flavours = ["keras3"] if quick or args.no_tf_keras else ["keras3", "tf_keras"]
     common = ["--modes", ",".join(modes), "--steps", str(steps),
               "--repeats", str(repeats)]
@@ -524,24 +561,24 @@ def parent(args):
                              "--models", ",".join(MODELS)] + common, flavour)
 
     log("distributed (MirroredStrategy, 2 logical CPUs, MLP)")
-    dist_modes = ["graph", "eager"] if quick else ["graph", "jit", "eager"]
     dist_rows = []
     for flavour in flavours:
         dist_rows += _run_worker(
-            ["distributed", "--flavour", flavour, "--modes", ",".join(dist_modes),
-             "--steps", str(4 * STEPS), "--repeats", "2" if quick else "4"], flavour)
+            ["distributed", "--flavour", flavour,
+             "--modes", ",".join(dist_modes[flavour]),
+             "--steps", str(4 * STEPS), "--repeats", "1" if quick else "3"], flavour)
 
     jobs = []
     mem_models = ["mlp"] if quick else list(MODELS)
     for flavour in flavours:
         for model in mem_models:
-            for mode in modes:
+            for mode in mem_modes:
                 for contender in contenders_for(flavour):
                     jobs.append((flavour, model, mode, contender))
     log(f"peak memory: {len(jobs)} configurations, one process each")
     memory = {}
-    # Two at a time: RSS is per process, and nothing is being timed now.
-    with futures.ThreadPoolExecutor(max_workers=2) as pool:
+    # Several at a time: RSS is per process, and nothing is being timed now.
+    with futures.ThreadPoolExecutor(max_workers=3) as pool:
         pending = {
             pool.submit(_run_worker, ["memory", "--flavour", f, "--model", m,
                                       "--mode", d, "--contender", c,
@@ -558,16 +595,20 @@ def parent(args):
     report = "\n".join([
         "# Gradient accumulation benchmark",
         "",
-        f"{_versions()}; Python {platform.python_version()}; "
+        f"tf_gradkit {revision}; {_versions()}; "
+        f"Python {platform.python_version()}; "
         f"{os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d %H:%M')}; "
-        f"runtime {runtime:.0f} s{' (--quick)' if quick else ''}.",
+        f"runtime {runtime:.0f} s{' (--quick)' if quick else ''}; load average "
+        f"{load_start[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end (other "
+        "processes on the machine add noise to every ratio).",
         f"Window {STEPS} micro-batches of {BATCH}; {repeats} interleaved repeats "
         f"x {steps} micro-steps per contender after warm-up; ms = median over "
         "repeats; ratio = median of per-repeat ratios to plain Adam "
         "[min-max]; open / closing = median batch time of micro-steps that do "
         "not / do close a window; peak RSS = ru_maxrss growth over the "
         "post-import baseline, one process per configuration; state = bytes "
-        "of optimizer variables (+ the model's accumulators for ga_model).",
+        "of optimizer variables (+ the model's accumulators for ga_model). "
+        f"Peak RSS is measured for modes {mem_modes} only.",
         "",
         "Contenders: " + "; ".join(f"{k} = {v}" for k, v in DESCRIPTIONS.items())
         + ".",
@@ -584,7 +625,9 @@ def parent(args):
         "gradient reductions = reduced elements / trainable parameters, i.e. how "
         "many full gradient all-reduces each micro-step costs; reduce ops in "
         "graph = tagged AddN ops in the traced train function, outside / inside "
-        "tf.cond branch functions.",
+        "cond / switch_case branch functions; scalars = reductions of one "
+        "element (e.g. reading a sync-on-read counter in cross-replica "
+        "context).",
         "",
         distributed_table(dist_rows),
     ])

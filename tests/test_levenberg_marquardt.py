@@ -321,3 +321,28 @@ def test_mixed_precision_model_trains_with_float32_solve(K, gk):
         K.mixed_precision.set_global_policy("float32")
     assert opt.damping.dtype == tf.float32
     assert history.history["loss"][-1] < 0.2 * history.history["loss"][0]
+
+
+def test_multi_output_residuals_match_the_compiled_loss(K, gk):
+    # 0.5 |r|^2 must be 0.5 * batch * (Keras's loss) with loss_weights and
+    # sample weights, so LM minimises exactly what fit reports.
+    from tf_gradkit import _lm_common
+    inputs = K.Input((3,))
+    model = K.Model(inputs, {"a": K.layers.Dense(1, name="a")(inputs),
+                             "b": K.layers.Dense(2, name="b")(inputs)})
+    model.compile(optimizer=gk.LevenbergMarquardt(model),
+                  loss={"a": "mse", "b": "mse"}, loss_weights={"a": 2.0, "b": 0.5})
+    rng = np.random.RandomState(0)
+    x = rng.randn(10, 3).astype("float32")
+    y = {"a": rng.randn(10, 1).astype("float32"), "b": rng.randn(10, 2).astype("float32")}
+    sw = rng.rand(10).astype("float32")
+    pred = model(x)
+    r = _lm_common._mse_residuals(pred, y, sw, tf.float64,
+                                  _lm_common.compiled_loss_weights(model))
+    pa, pb = pred["a"].numpy(), pred["b"].numpy()
+    keras_loss = (2.0 * np.mean(sw * np.mean((pa - y["a"]) ** 2, 1))
+                  + 0.5 * np.mean(sw * np.mean((pb - y["b"]) ** 2, 1)))
+    assert 0.5 * float(tf.reduce_sum(r ** 2)) == pytest.approx(0.5 * 10 * keras_loss,
+                                                               rel=1e-5)
+    history = model.fit(x, y, sample_weight=sw, batch_size=10, epochs=3, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]

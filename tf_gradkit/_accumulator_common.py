@@ -208,9 +208,10 @@ class AccumulatorMixin:
     def _align(self, grads, variables):
         """Orders gradients like the variables the optimizer was built with."""
         by_key = {}
+        known = self._known_keys()
         for g, v in zip(grads, variables):
             key = self._var_key(v)
-            if key not in self._known_keys():
+            if key not in known:
                 raise ValueError(
                     f"GradientAccumulator: unknown variable {v.name}; the "
                     "optimizer was built for other variables. Create a new "

@@ -195,9 +195,11 @@ class LevenbergMarquardtMixin:
         tf_vars = self._tf_variables(variables)
         dtype = self._lm_vars.damping.dtype
 
+        loss_weights = compiled_loss_weights(model)
+
         def residuals(xb, yb, wb):
             y_pred = model(xb, training=True)
-            return _mse_residuals(y_pred, yb, wb, dtype)
+            return _mse_residuals(y_pred, yb, wb, dtype, loss_weights)
 
         y_pred = model(x, training=False)
         batch = tf.shape(tf.nest.flatten(x)[0])[0]
@@ -292,16 +294,50 @@ def _half_sum_sq(residuals, dtype):
     return 0.5 * tf.reduce_sum(tf.square(r))
 
 
-def _mse_residuals(y_pred, y, sample_weight, dtype):
-    """Residuals whose half squared norm is proportional to the weighted MSE:
-    ``sqrt(w) * (y_pred - y)`` per output element (weights as square roots, so
-    sample weights count exactly as in the loss)."""
+def _mse_residuals(y_pred, y, sample_weight, dtype, loss_weights=None):
+    """Residuals with ``0.5 |r|^2 = 0.5 * batch * (the compiled MSE loss)``.
+
+    Per output k of width d_k: ``sqrt(lw_k / d_k) * sqrt(w) * (y_pred - y)``,
+    so sample weights and ``loss_weights`` count exactly as in Keras's loss
+    (``sum_k lw_k * mean(w * (y_pred - y)^2)``), as square roots.
+    """
+    preds, trues = tf.nest.flatten(y_pred), tf.nest.flatten(y)
+    if len(trues) != len(preds):
+        raise ValueError(
+            f"LevenbergMarquardt: the model has {len(preds)} outputs but the "
+            f"data has {len(trues)} targets.")
+    lw = _flat_loss_weights(y_pred, loss_weights, len(preds))
+    # Keras 3 expands sample weights to the targets' structure (one per output).
+    sws = [None] * len(preds) if sample_weight is None else tf.nest.flatten(
+        sample_weight)
+    if len(sws) == 1 and len(preds) > 1:
+        sws = sws * len(preds)
     parts = []
-    for yp, yt in zip(tf.nest.flatten(y_pred), tf.nest.flatten(y)):
+    for yp, yt, weight, sample_weight in zip(preds, trues, lw, sws):
         diff = tf.cast(yp, dtype) - tf.cast(tf.reshape(yt, tf.shape(yp)), dtype)
         diff = tf.reshape(diff, [tf.shape(diff)[0], -1])
+        width = tf.cast(tf.shape(diff)[1], dtype)
+        diff = diff * tf.sqrt(tf.cast(weight, dtype) / width)
         if sample_weight is not None:
             w = tf.reshape(tf.cast(sample_weight, dtype), [-1, 1])
             diff = diff * tf.sqrt(w)
         parts.append(tf.reshape(diff, [-1]))
     return tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
+
+
+def _flat_loss_weights(y_pred, loss_weights, count):
+    """``loss_weights`` (None, list or dict by output name) in flatten order."""
+    if loss_weights is None:
+        return [1.0] * count
+    if isinstance(loss_weights, dict):
+        if isinstance(y_pred, dict):
+            return [loss_weights.get(k, 1.0) for k in sorted(y_pred)]
+        return list(loss_weights.values())
+    return list(loss_weights)
+
+
+def compiled_loss_weights(model):
+    """The ``loss_weights`` given to ``compile`` (both flavours keep them in
+    ``_compile_config``); None when not given."""
+    config = getattr(getattr(model, "_compile_config", None), "config", None) or {}
+    return config.get("loss_weights")

@@ -97,14 +97,15 @@ def micro_step(state, grads, *, weight, accept, steps, force=False,
 def _close_if_ready(ready, totals, apply_window, skip_window, run):
     """One branch point: keep the window open, apply it, or skip it.
 
-    A single ``switch_case`` rather than nested ``cond``s: under XLA nested
-    conditionals made every open micro-step pay for carrying the inner
-    optimizer's variables through the untaken branches.
+    ``totals`` is either the (weight, nonfinite) pair already at hand, or a
+    function reading them across replicas. With tensors (no strategy, or XLA
+    on GPUs) a single ``switch_case`` decides: under XLA, nested ``cond``s were
+    turned into ``select``s that ran the whole window close on every
+    micro-step. With a function (cross-replica context, never XLA) the
+    reduction of the two scalars happens inside the ``ready`` branch, so an
+    open micro-step does no cross-replica work at all.
     """
-    total_weight, nonfinite = totals() if callable(totals) else totals
-    branch = tf.where(ready, tf.where(tf.equal(nonfinite, 0), 1, 2), 0)
-
-    def _apply():
+    def _apply(total_weight):
         run(apply_window, args=(total_weight,))
         return tf.constant(1)
 
@@ -112,4 +113,15 @@ def _close_if_ready(ready, totals, apply_window, skip_window, run):
         run(skip_window)
         return tf.constant(2)
 
-    tf.switch_case(branch, [lambda: tf.constant(0), _apply, _skip])
+    if callable(totals):
+        def _close():
+            total_weight, nonfinite = totals()
+            return tf.cond(tf.equal(nonfinite, 0),
+                           lambda: _apply(total_weight), _skip)
+
+        tf.cond(ready, _close, lambda: tf.constant(0))
+        return
+    total_weight, nonfinite = totals
+    branch = tf.where(ready, tf.where(tf.equal(nonfinite, 0), 1, 2), 0)
+    tf.switch_case(branch, [lambda: tf.constant(0),
+                            lambda: _apply(total_weight), _skip])
