@@ -346,3 +346,61 @@ def test_multi_output_residuals_match_the_compiled_loss(K, gk):
                                                                rel=1e-5)
     history = model.fit(x, y, sample_weight=sw, batch_size=10, epochs=3, verbose=0)
     assert history.history["loss"][-1] < history.history["loss"][0]
+
+
+def test_matrix_free_cg_step_equals_cholesky_step(mode):
+    # One LM iteration: CG run to a tight tolerance gives the Cholesky step.
+    from tf_gradkit import _lm_common
+    rng = np.random.RandomState(0)
+    x = tf.constant(np.linspace(0, 1, 12))
+    y = tf.constant(rng.randn(12))
+
+    def run(solver):
+        a = tf.Variable([1.0, -0.5, 0.3], dtype=F64)
+        b = tf.Variable(0.7, dtype=F64)
+        controller = damping_lib.Nielsen(initial=1e-2)
+        scaling = damping_lib.Levenberg()
+
+        def residual_fn():
+            return a[0] * tf.exp(-b * x) + a[1] * x + a[2] * x ** 2 - y
+
+        def one_iteration():
+            lin = _lm_common.linearize_for(solver, residual_fn, [a, b], F64)
+            state = step_lib.init_state(controller, scaling, 4, F64)
+            return step_lib.levenberg_marquardt_step(
+                lin, lambda: 0.5 * tf.reduce_sum(tf.square(residual_fn())),
+                [a, b], state, controller=controller, scaling=scaling,
+                solver=solver, max_attempts=5)[1]
+
+        info = compile_fn(one_iteration, mode)()
+        assert bool(info.accepted)
+        return np.r_[a.numpy(), b.numpy()]
+
+    cg = run(solvers_lib.ConjugateGradient(max_iterations=20, tolerance=1e-13))
+    chol = run(solvers_lib.Cholesky())
+    assert np.max(np.abs(chol - np.array([1.0, -0.5, 0.3, 0.7]))) > 1e-3  # it moved
+    np.testing.assert_allclose(cg, chol, rtol=1e-9, atol=1e-11)
+
+
+def test_cg_solver_trains_through_fit_and_needs_levenberg(K, gk):
+    with pytest.raises(ValueError, match="needs scaling='levenberg'"):
+        gk.LevenbergMarquardt(solver="cg")
+    x, y = regression_data(n=64)
+    model = mlp(K, hidden=8)
+    model.compile(optimizer=gk.LevenbergMarquardt(model, solver="cg",
+                                                  scaling="levenberg"),
+                  loss="mse", jit_compile=True)
+    history = model.fit(x, y, batch_size=64, epochs=8, verbose=0)
+    assert history.history["loss"][-1] < 0.5 * history.history["loss"][0]
+
+
+def test_least_squares_with_cg():
+    a = tf.Variable(1.0, dtype=F64)
+    b = tf.Variable(0.1, dtype=F64)
+    x = tf.constant(np.linspace(0, 3, 20))
+    y = 2.5 * tf.exp(-0.3 * x)
+    result = tf_gradkit.least_squares(lambda: a * tf.exp(-b * x) - y, [a, b],
+                                      solver="cg", scaling="levenberg")
+    assert bool(result.converged)
+    assert float(a) == pytest.approx(2.5, rel=1e-8)
+    assert float(b) == pytest.approx(0.3, rel=1e-8)

@@ -105,8 +105,9 @@ LEVENBERG_MARQUARDT = """Levenberg-Marquardt as a {flavour} optimizer.
       scaling: "marquardt" (default, ``D^2`` = running max of diag(J^T J)) or
         "levenberg" (``D = I``).
       solver: "cholesky" (default, normal equations), "qr" (augmented system,
-        for ill-conditioned problems) or "dual" (J J^T, fewer residuals than
-        parameters).
+        for ill-conditioned problems), "dual" (J J^T, fewer residuals than
+        parameters) or "cg" (matrix-free conjugate gradients: neither J nor
+        J^T J is formed, memory O(N + P); needs scaling="levenberg").
       max_attempts: damped solves per iteration before giving up (the weights
         are then restored exactly).
       chunk_size: rows of the Jacobian formed at a time under ``fit`` (memory

@@ -45,6 +45,23 @@ def validate_lm_arguments(max_attempts, chunk_size):
                          f"integer >= 1. Received: chunk_size={chunk_size!r}")
 
 
+def check_parts(scaling, solver):
+    """A matrix-free solver has no diag(J^T J) to scale the damping by."""
+    if getattr(solver, "matrix_free", False) and not isinstance(
+            scaling, damping_lib.Levenberg):
+        raise ValueError(
+            "LevenbergMarquardt: solver='cg' is matrix-free and never forms "
+            "diag(J^T J), so it needs scaling='levenberg'. Received: "
+            f"scaling={type(scaling).__name__}")
+
+
+def linearize_for(solver, residual_fn, variables, dtype):
+    """The linearisation a solver needs: matrix-free, with J, or J^T J only."""
+    if getattr(solver, "matrix_free", False):
+        return lin_lib.linearize_matrix_free(residual_fn, variables, dtype)
+    return lin_lib.linearize(residual_fn, variables, solver.needs_jacobian, dtype)
+
+
 def _from_logits(loss):
     """Reads ``from_logits`` from a Keras 3 or tf_keras loss object."""
     if isinstance(loss, (list, tuple)):
@@ -90,6 +107,7 @@ class LevenbergMarquardtMixin:
         self._part_names = (controller if isinstance(controller, str) else None,
                             scaling if isinstance(scaling, str) else None,
                             solver if isinstance(solver, str) else None)
+        check_parts(self.scaling, self.solver)
         self.max_attempts = max_attempts
         self.chunk_size = chunk_size
         self._lm_vars = None
@@ -158,8 +176,7 @@ class LevenbergMarquardtMixin:
                 self.build(var_list)
         tf_vars = self._tf_variables(var_list)
         dtype = self._lm_vars.damping.dtype
-        lin = lin_lib.linearize(residual_fn, tf_vars, self.solver.needs_jacobian,
-                                dtype)
+        lin = linearize_for(self.solver, residual_fn, tf_vars, dtype)
         return self._iterate(lin, lambda: _half_sum_sq(residual_fn(), dtype),
                              tf_vars)[1].new_cost
 
@@ -208,8 +225,8 @@ class LevenbergMarquardtMixin:
                 model, x, y, sample_weight, y_pred, batch, tf_vars, dtype,
                 CROSS_ENTROPY[loss_name], _from_logits(loss))
         if self.chunk_size is None:
-            lin = lin_lib.linearize(lambda: residuals(x, y, sample_weight),
-                                    tf_vars, self.solver.needs_jacobian, dtype)
+            lin = linearize_for(self.solver, lambda: residuals(x, y, sample_weight),
+                                tf_vars, dtype)
         else:
             lin = self._chunked(residuals, x, y, sample_weight, batch, tf_vars, dtype)
         _, info = self._iterate(
@@ -223,7 +240,8 @@ class LevenbergMarquardtMixin:
 
     def _fit_step_cross_entropy(self, model, x, y, sample_weight, y_pred, batch,
                                 tf_vars, dtype, kind, from_logits):
-        if self.solver.needs_jacobian or self.chunk_size is not None:
+        if (self.solver.needs_jacobian or self.chunk_size is not None
+                or getattr(self.solver, "matrix_free", False)):
             raise ValueError(
                 "LevenbergMarquardt: cross-entropy losses use the generalised "
                 "Gauss-Newton matrix, which needs solver='cholesky' and "
@@ -246,7 +264,7 @@ class LevenbergMarquardtMixin:
         return logs
 
     def _chunked(self, residuals, x, y, sample_weight, batch, tf_vars, dtype):
-        if self.solver.needs_jacobian:
+        if self.solver.needs_jacobian or getattr(self.solver, "matrix_free", False):
             raise ValueError(
                 "LevenbergMarquardt: `chunk_size` bounds memory by never holding "
                 "the whole Jacobian, so it needs solver='cholesky'. Received: "

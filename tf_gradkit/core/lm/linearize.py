@@ -94,6 +94,30 @@ def linearize(residual_fn, variables, needs_jacobian, dtype, mode="auto"):
         jacobian=jacobian if needs_jacobian else None)
 
 
+def linearize_matrix_free(residual_fn, variables, dtype):
+    """Linearises without forming J: ``matvec(v) = J^T (J v)`` by one JVP
+    (forward mode) and one VJP (reverse mode) through ``residual_fn``."""
+    with tf.GradientTape() as tape:
+        residuals = tf.reshape(residual_fn(), [-1])
+    jtr = flatten(tape.gradient(residuals, variables, output_gradients=residuals,
+                                unconnected_gradients=tf.UnconnectedGradients.ZERO),
+                  dtype)
+    residuals = tf.cast(residuals, dtype)
+
+    def matvec(v):
+        tangents = unflatten(v, variables)
+        with tf.GradientTape() as back:
+            with tf.autodiff.ForwardAccumulator(variables, tangents) as acc:
+                r = tf.reshape(residual_fn(), [-1])
+            jv = acc.jvp(r, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        jtjv = back.gradient(r, variables, output_gradients=tf.stop_gradient(jv),
+                             unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return flatten(jtjv, dtype)
+
+    return Linearization(cost=0.5 * tf.reduce_sum(tf.square(residuals)),
+                         jtj=None, jtr=jtr, matvec=matvec)
+
+
 def linearize_chunked(chunk_residual_fn, num_chunks, variables, dtype,
                       mode="auto"):
     """Accumulates J^T J, J^T r and the cost over ``num_chunks`` row chunks.

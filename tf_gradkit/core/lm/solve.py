@@ -70,8 +70,9 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         controller object (`tf_gradkit.core.lm.damping`).
       scaling: "marquardt" (default, scale-invariant) or "levenberg".
       solver: "qr" (default: precision on ill-conditioned problems),
-        "cholesky" (fast normal equations) or "dual" (J J^T form, for fewer
-        residuals than parameters), or a solver object.
+        "cholesky" (fast normal equations), "dual" (J J^T form, for fewer
+        residuals than parameters), "cg" (matrix-free conjugate gradients,
+        memory O(N + P); needs scaling="levenberg"), or a solver object.
       max_attempts: damped solves per iteration before giving up.
       gtol: stop when ``max |J^T r| <= gtol * max(1, cost)``; default: the
         dtype's machine epsilon.
@@ -107,6 +108,11 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
     controller = resolve_part(controller, damping_lib.CONTROLLERS, "controller")
     scaling = resolve_part(scaling, damping_lib.SCALINGS, "scaling")
     solver = resolve_part(solver, solvers_lib.SOLVERS, "solver")
+    if getattr(solver, "matrix_free", False) and not isinstance(
+            scaling, damping_lib.Levenberg):
+        raise ValueError("least_squares: solver='cg' is matrix-free and never forms "
+                         "diag(J^T J), so it needs scaling='levenberg'. Received: "
+                         f"scaling={type(scaling).__name__}")
     dtype = var_list[0].dtype.base_dtype
     eps = float(tf.experimental.numpy.finfo(dtype.as_numpy_dtype).eps)
     gtol = eps if gtol is None else gtol
@@ -121,8 +127,11 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
     def solve():
         def body(it, reason, state, cost):
             del cost
-            lin = lin_lib.linearize(residual_fn, var_list, solver.needs_jacobian,
-                                    dtype)
+            if getattr(solver, "matrix_free", False):
+                lin = lin_lib.linearize_matrix_free(residual_fn, var_list, dtype)
+            else:
+                lin = lin_lib.linearize(residual_fn, var_list,
+                                        solver.needs_jacobian, dtype)
             grad_small = info_grad = tf.reduce_max(tf.abs(lin.jtr))
             grad_small = info_grad <= gtol * tf.maximum(lin.cost, 1.0)
 

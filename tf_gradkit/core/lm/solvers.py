@@ -11,11 +11,14 @@ and retry, inside the same compiled step.
   the precision ill-conditioned problems need (NIST Hahn1, Kirby2, Lanczos).
 - `NormalEquationsDual`: the ``J J^T`` form ``d = D^-2 J^T (J D^-2 J^T + lambda I)^-1 (-r)``,
   for fewer residuals than parameters (N x N instead of P x P).
+- `ConjugateGradient`: matrix-free; applies ``J^T J`` as a Jacobian-vector
+  product followed by a vector-Jacobian product, so neither J nor J^T J is
+  ever formed (memory O(N + P), for models whose P^2 does not fit).
 
 All use only ops with XLA and GPU kernels (Cholesky, QR, triangular solves).
 """
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import tensorflow as tf
 
@@ -24,14 +27,24 @@ class Linearization(NamedTuple):
     """The model linearised at the current parameters.
 
     ``residuals`` [N] and ``jacobian`` [N, P] are present only when the solver
-    asked for them (``needs_jacobian``); ``jtj`` [P, P] and ``jtr`` [P] always.
+    asked for them (``needs_jacobian``); ``jtr`` [P] always; ``jtj`` [P, P]
+    unless the linearisation is matrix-free, in which case ``matvec(v)``
+    computes ``J^T J v``.
     """
 
     cost: tf.Tensor
-    jtj: tf.Tensor
+    jtj: Optional[tf.Tensor]
     jtr: tf.Tensor
     residuals: Optional[tf.Tensor] = None
     jacobian: Optional[tf.Tensor] = None
+    matvec: Optional[Callable] = None
+
+
+def gauss_newton_matvec(lin, v):
+    """``J^T J v`` from whichever form the linearisation holds."""
+    if lin.jtj is not None:
+        return tf.linalg.matvec(lin.jtj, v)
+    return lin.matvec(v)
 
 
 def _finite(x):
@@ -88,4 +101,54 @@ class NormalEquationsDual:
         return step, tf.logical_and(ok, _finite(step))
 
 
-SOLVERS = {"cholesky": Cholesky, "qr": QR, "dual": NormalEquationsDual}
+class ConjugateGradient:
+    """Matrix-free conjugate gradients on ``(J^T J + lambda D^2) d = -J^T r``.
+
+    Args:
+      max_iterations: CG iterations per damped solve (a fixed bound keeps the
+        compiled loop static; CG is exact after P iterations in exact
+        arithmetic, and LM only needs an approximate step).
+      tolerance: stop when the residual norm falls below ``tolerance`` times
+        the right-hand side's norm.
+    """
+
+    needs_jacobian = False
+    matrix_free = True
+
+    def __init__(self, max_iterations=50, tolerance=1e-6):
+        if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) \
+                or max_iterations < 1:
+            raise ValueError("ConjugateGradient: `max_iterations` must be an integer "
+                             f">= 1. Received: max_iterations={max_iterations!r}")
+        if not tolerance > 0:
+            raise ValueError("ConjugateGradient: `tolerance` must be positive. "
+                             f"Received: tolerance={tolerance!r}")
+        self.max_iterations, self.tolerance = max_iterations, tolerance
+
+    def solve(self, lin, damping, d2):
+        def apply(v):
+            return gauss_newton_matvec(lin, v) + damping * d2 * v
+
+        b = -lin.jtr
+        limit = tf.cast(self.tolerance, b.dtype) * tf.norm(b)
+        tiny = tf.constant(1e-30, b.dtype)
+
+        def body(i, x, r, p, rr):
+            ap = apply(p)
+            alpha = rr / tf.maximum(tf.tensordot(p, ap, 1), tiny)
+            x = x + alpha * p
+            r = r - alpha * ap
+            rr_new = tf.tensordot(r, r, 1)
+            p = r + (rr_new / tf.maximum(rr, tiny)) * p
+            return i + 1, x, r, p, rr_new
+
+        zero = tf.zeros_like(b)
+        _, step, _, _, _ = tf.while_loop(
+            lambda i, x, r, p, rr: (i < self.max_iterations) & (tf.sqrt(rr) > limit),
+            body, (tf.constant(0), zero, b, b, tf.tensordot(b, b, 1)),
+            maximum_iterations=self.max_iterations)
+        return step, _finite(step)
+
+
+SOLVERS = {"cholesky": Cholesky, "qr": QR, "dual": NormalEquationsDual,
+           "cg": ConjugateGradient}

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from tf_gradkit.core.lm import damping as damping_lib
 from tf_gradkit.core.lm import linearize as lin_lib
+from tf_gradkit.core.lm import solvers as solvers_lib
 
 
 class LMState(NamedTuple):
@@ -63,7 +64,10 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
     """
     dtype = lin.jtr.dtype
     x0 = [tf.identity(v) for v in variables]
-    jtj_diag = tf.linalg.diag_part(lin.jtj)
+    # Matrix-free linearisations have no diag(J^T J): only Levenberg scaling,
+    # which ignores it, applies (the adapters check this at construction).
+    jtj_diag = (tf.linalg.diag_part(lin.jtj) if lin.jtj is not None
+                else tf.zeros_like(lin.jtr))
     scale = scaling.update(state.scale, jtj_diag)
     d2 = scaling.diagonal(scale, jtj_diag)
 
@@ -76,7 +80,7 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
             v.assign(v0 + d)
         trial = tf.cast(cost_fn(), dtype)
         predicted = -tf.tensordot(step, lin.jtr, 1) - 0.5 * tf.tensordot(
-            step, tf.linalg.matvec(lin.jtj, step), 1)
+            step, solvers_lib.gauss_newton_matvec(lin, step), 1)
         rho = (lin.cost - trial) / tf.where(predicted > 0, predicted,
                                             tf.ones_like(predicted))
         good = ok & tf.math.is_finite(trial) & (predicted > 0) & (rho > 0)
