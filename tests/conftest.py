@@ -70,3 +70,11 @@ def two_cpus():
     if len(devices) < 2:
         pytest.skip("needs two logical CPU devices")
     return [d.name for d in devices[:2]]
+
+
+@pytest.fixture(scope="session")
+def mirrored(two_cpus):
+    """One MirroredStrategy for the whole session: separate instances in one
+    process restart their collective instance keys, and TensorFlow caches a
+    key's shape, so a second strategy reducing other shapes aborts."""
+    return tf.distribute.MirroredStrategy(two_cpus)

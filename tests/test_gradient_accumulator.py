@@ -255,10 +255,10 @@ def test_fit_with_steps_per_execution(K, gk):
 
 
 @pytest.mark.distributed
-def test_mirrored_strategy_flush_at_epoch_end(K, gk, two_cpus):
+def test_mirrored_strategy_flush_at_epoch_end(K, gk, mirrored):
     x, y = regression_data(n=48)  # 3 global batches of 16: window of 4 is cut
     ref, _ = _big_batch_reference(K, "adam", x, y, updates=1)
-    strategy = tf.distribute.MirroredStrategy(two_cpus)
+    strategy = mirrored
     with strategy.scope():
         model = mlp(K)
         opt = gk.GradientAccumulator(INNER["adam"](K), steps=4, model=model)
@@ -350,14 +350,14 @@ def test_config_round_trip_and_model_save_load(K, gk, tmp_path):
 # ------------------------------------------------------------ distribution
 @pytest.mark.distributed
 @pytest.mark.parametrize("steps_per_replica_batch", [(4, 8)])
-def test_mirrored_strategy_fit_equals_single_device(K, gk, two_cpus,
+def test_mirrored_strategy_fit_equals_single_device(K, gk, mirrored,
                                                     steps_per_replica_batch):
     steps, batch = steps_per_replica_batch
     x, y = regression_data(n=64)
     ref = mlp(K)
     ref.compile(optimizer=K.optimizers.Adam(0.05), loss="mse")
     ref.fit(x, y, batch_size=steps * batch, epochs=2, shuffle=False, verbose=0)
-    strategy = tf.distribute.MirroredStrategy(two_cpus)
+    strategy = mirrored
     with strategy.scope():
         model = mlp(K)
         opt = gk.GradientAccumulator(K.optimizers.Adam(0.05), steps=steps,
@@ -369,14 +369,14 @@ def test_mirrored_strategy_fit_equals_single_device(K, gk, two_cpus,
 
 
 @pytest.mark.distributed
-def test_mirrored_strategy_custom_loop_with_sample_counts(K, gk, two_cpus):
+def test_mirrored_strategy_custom_loop_with_sample_counts(K, gk, mirrored):
     x, y = regression_data(n=24)
     ref = mlp(K)
     ref_opt = K.optimizers.SGD(0.2, momentum=0.5)
     _, grads = mse_grads(ref, x, y)
     ref_opt.apply_gradients(zip(grads, ref.trainable_variables))
 
-    strategy = tf.distribute.MirroredStrategy(two_cpus)
+    strategy = mirrored
     with strategy.scope():
         model = mlp(K)
         opt = gk.GradientAccumulator(K.optimizers.SGD(0.2, momentum=0.5), steps=2)

@@ -404,3 +404,38 @@ def test_least_squares_with_cg():
     assert bool(result.converged)
     assert float(a) == pytest.approx(2.5, rel=1e-8)
     assert float(b) == pytest.approx(0.3, rel=1e-8)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("loss", ["mse", "sparse_categorical_crossentropy"])
+def test_mirrored_strategy_equals_single_device(K, gk, mirrored, loss):
+    # J^T J and J^T r are summed across replicas and every replica takes the
+    # same step: full-batch LM on two replicas equals one device. (With one
+    # batch per epoch, so both see the same examples per step: Keras
+    # composes distributed batches from non-contiguous examples.)
+    x, y = regression_data(n=32)
+    if loss != "mse":
+        y = (x[:, :1] > 0).astype("int32") + (x[:, 1:2] > 0).astype("int32")
+
+    def build():
+        model = mlp(K, hidden=6) if loss == "mse" else _three_class(K)
+        model.compile(optimizer=gk.LevenbergMarquardt(model), loss=loss)
+        return model
+
+    ref = build()
+    ref_hist = ref.fit(x, y, batch_size=32, epochs=4, shuffle=False, verbose=0)
+    with mirrored.scope():
+        model = build()
+    hist = model.fit(x, y, batch_size=32, epochs=4, shuffle=False, verbose=0)
+    assert _relative_diff(weights_of(ref), weights_of(model)) < 1e-4
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-4)
+    assert hist.history["attempts"] == ref_hist.history["attempts"]
+
+
+def _three_class(K):
+    model = K.Sequential([K.Input((3,)), K.layers.Dense(6, activation="tanh"),
+                          K.layers.Dense(3)])
+    rng = np.random.RandomState(1)
+    model.set_weights([rng.randn(*w.shape).astype("float32") * 0.5
+                       for w in model.get_weights()])
+    return model

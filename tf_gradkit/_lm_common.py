@@ -229,14 +229,9 @@ class LevenbergMarquardtMixin:
                                 tf_vars, dtype)
         else:
             lin = self._chunked(residuals, x, y, sample_weight, batch, tf_vars, dtype)
-        _, info = self._iterate(
-            lin, lambda: _half_sum_sq(residuals(x, y, sample_weight), dtype),
-            tf_vars)
-        logs = self._report(model, x, y, y_pred, sample_weight)
-        logs = dict(logs)
-        logs["damping"] = self._lm_vars.damping
-        logs["attempts"] = info.attempts
-        return logs
+        return self._step_and_report(
+            model, x, y, sample_weight, y_pred, lin,
+            lambda xb, yb, wb: _half_sum_sq(residuals(xb, yb, wb), dtype), tf_vars)
 
     def _fit_step_cross_entropy(self, model, x, y, sample_weight, y_pred, batch,
                                 tf_vars, dtype, kind, from_logits):
@@ -247,21 +242,73 @@ class LevenbergMarquardtMixin:
                 "Gauss-Newton matrix, which needs solver='cholesky' and "
                 f"chunk_size=None. Received: solver={type(self.solver).__name__}, "
                 f"chunk_size={self.chunk_size}")
-        # Keras reduces with the mean over the batch: weights w_i / B.
-        weights = tf.ones([batch], dtype) if sample_weight is None else tf.cast(
-            tf.reshape(sample_weight, [-1]), dtype)
-        weights = weights / tf.cast(batch, dtype)
+
+        def example_weights(xb, wb):
+            # Keras reduces with the mean over the (global) batch: w_i / B.
+            b = tf.shape(tf.nest.flatten(xb)[0])[0]
+            w = tf.ones([b], dtype) if wb is None else tf.cast(tf.reshape(wb, [-1]), dtype)
+            replicas = tf.distribute.get_strategy().num_replicas_in_sync
+            return w / tf.cast(b * replicas, dtype)
+
         lin = ggn_lib.linearize_cross_entropy(
-            lambda: model(x, training=True), y, weights, tf_vars, kind,
-            from_logits, dtype)
-        _, info = self._iterate(
-            lin, lambda: ggn_lib.cross_entropy_cost(
-                model(x, training=True), y, weights, kind, from_logits, dtype),
-            tf_vars)
+            lambda: model(x, training=True), y, example_weights(x, sample_weight),
+            tf_vars, kind, from_logits, dtype)
+        return self._step_and_report(
+            model, x, y, sample_weight, y_pred, lin,
+            lambda xb, yb, wb: ggn_lib.cross_entropy_cost(
+                model(xb, training=True), yb, example_weights(xb, wb), kind,
+                from_logits, dtype), tf_vars)
+
+    def _step_and_report(self, model, x, y, sample_weight, y_pred, lin,
+                         local_cost, tf_vars):
+        """One LM iteration from this replica's linearisation, then the logs.
+
+        Under a multi-replica strategy J^T J, J^T r and the cost are summed
+        across replicas once; the attempts then run in cross-replica context
+        (one ``merge_call``), where each trial cost is evaluated per replica
+        and summed, so every replica takes the identical step.
+        """
+        ctx = tf.distribute.get_replica_context()
+        if ctx is not None and tf.distribute.get_strategy().num_replicas_in_sync > 1:
+            attempts = self._distributed_iterate(ctx, lin, local_cost, x, y,
+                                                 sample_weight, tf_vars)
+        else:
+            _, info = self._iterate(lin, lambda: local_cost(x, y, sample_weight),
+                                    tf_vars)
+            attempts = info.attempts
         logs = dict(self._report(model, x, y, y_pred, sample_weight))
         logs["damping"] = self._lm_vars.damping
-        logs["attempts"] = info.attempts
+        logs["attempts"] = attempts
         return logs
+
+    def _distributed_iterate(self, ctx, lin, local_cost, x, y, sample_weight,
+                             tf_vars):
+        if lin.jtj is None or lin.jacobian is not None:
+            raise ValueError(
+                "LevenbergMarquardt under tf.distribute sums J^T J across "
+                "replicas, so it needs solver='cholesky'. Received: "
+                f"solver={type(self.solver).__name__}")
+        jtj, jtr, cost = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                                        [lin.jtj, lin.jtr, lin.cost])
+
+        def cross_replica(distribution, jtj, jtr, cost, x, y, sample_weight):
+            def first(value):
+                return distribution.experimental_local_results(value)[0]
+
+            total = solvers_lib.Linearization(cost=first(cost), jtj=first(jtj),
+                                              jtr=first(jtr))
+
+            def cost_fn():
+                per_replica = distribution.extended.call_for_each_replica(
+                    local_cost, args=(x, y, sample_weight))
+                return distribution.reduce(tf.distribute.ReduceOp.SUM,
+                                           per_replica, axis=None)
+
+            _, info = self._iterate(total, cost_fn, tf_vars)
+            return info.attempts
+
+        return ctx.merge_call(cross_replica,
+                              args=(jtj, jtr, cost, x, y, sample_weight))
 
     def _chunked(self, residuals, x, y, sample_weight, batch, tf_vars, dtype):
         if self.solver.needs_jacobian or getattr(self.solver, "matrix_free", False):

@@ -49,6 +49,10 @@ class LevenbergMarquardt(common.LevenbergMarquardtMixin, keras.optimizers.Optimi
     def _report(model, x, y, y_pred, sample_weight):
         loss = model.compute_loss(x=x, y=y, y_pred=y_pred,
                                   sample_weight=sample_weight, training=False)
+        # Keras 3 divides the loss by the replica count (for gradients); the
+        # reported loss is unscaled, as Keras's own train_step does.
+        loss = loss * tf.cast(tf.distribute.get_strategy().num_replicas_in_sync,
+                              loss.dtype)
         model._loss_tracker.update_state(  # pylint: disable=protected-access
             loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
