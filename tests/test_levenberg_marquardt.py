@@ -439,3 +439,37 @@ def _three_class(K):
     model.set_weights([rng.randn(*w.shape).astype("float32") * 0.5
                        for w in model.get_weights()])
     return model
+
+
+@pytest.mark.parametrize("alpha,expected", [(4.0, 1.0 + 1.5 - 1.125), (0.75, 1.0 + 1.5)])
+def test_geodesic_acceleration_by_hand(alpha, expected):
+    # r(x) = x^2 - 4 at x = 1: J = 2, r = -3, velocity v = 1.5 (no damping);
+    # r_vv = 2 v^2 = 4.5 exactly (central difference of a quadratic);
+    # a = -J r_vv / J^2 = -2.25 and 2|a|/|v| = 3: kept when alpha = 4
+    # (step v + a/2), replaced by the plain step v when alpha = 0.75.
+    from tf_gradkit.core.lm import geodesic
+    x = tf.Variable(1.0, dtype=F64)
+
+    def residual_fn():
+        return tf.reshape(x * x - 4.0, [1])
+
+    lin = lin_lib.linearize(residual_fn, [x], False, F64)
+    solver = solvers_lib.Cholesky()
+    tiny = tf.constant(1e-14, F64)
+    velocity, _ = solver.solve(lin, tiny, tf.ones([1], F64))
+    accel = geodesic.GeodesicAcceleration(residual_fn, alpha=alpha)
+    step, ok = accel.correct(lin, velocity, tiny, tf.ones([1], F64), solver, [x],
+                             [tf.identity(x)])
+    assert bool(ok) and float(x) == 1.0   # variables left where they were
+    assert 1.0 + float(step[0]) == pytest.approx(expected, rel=1e-9)
+
+
+def test_least_squares_with_geodesic_acceleration_converges():
+    a = tf.Variable(1.0, dtype=F64)
+    b = tf.Variable(0.1, dtype=F64)
+    x = tf.constant(np.linspace(0, 3, 20))
+    y = 2.5 * tf.exp(-0.3 * x)
+    result = tf_gradkit.least_squares(lambda: a * tf.exp(-b * x) - y, [a, b],
+                                      geodesic_acceleration=True)
+    assert bool(result.converged)
+    assert float(b) == pytest.approx(0.3, rel=1e-8)

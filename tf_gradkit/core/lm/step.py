@@ -46,7 +46,7 @@ def init_state(controller, scaling, num_params, dtype):
 
 
 def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
-                             scaling, solver, max_attempts):
+                             scaling, solver, max_attempts, geodesic=None):
     """Runs one LM iteration from the linearisation ``lin``.
 
     Args:
@@ -58,6 +58,8 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
       controller, scaling, solver: the damping rule, the damping matrix and
         the linear solver.
       max_attempts: Python int, attempts before giving up on this iteration.
+      geodesic: optional `geodesic.GeodesicAcceleration`, adding the
+        second-order correction to each attempted step.
 
     Returns:
       ``(new_state, StepInfo)``.
@@ -76,6 +78,11 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
         del accepted, new_cost, step_norm, rho, predicted
         step, ok = solver.solve(lin, damping, d2)
         step = tf.where(ok, step, tf.zeros_like(step))
+        if geodesic is not None:
+            step, accel_ok = geodesic.correct(lin, step, damping, d2, solver,
+                                              variables, x0)
+            ok = ok & accel_ok
+            step = tf.where(ok, step, tf.zeros_like(step))
         for v, v0, d in zip(variables, x0, lin_lib.unflatten(step, variables)):
             v.assign(v0 + d)
         trial = tf.cast(cost_fn(), dtype)
