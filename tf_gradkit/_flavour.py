@@ -32,3 +32,18 @@ def resolve(name, module_name):
     except AttributeError:
         raise AttributeError(
             f"module {module_name!r} has no attribute {name!r}") from None
+
+
+def lazy_exports(module_name, names):
+    """``(__getattr__, __dir__)`` for a module whose public ``names`` resolve
+    to the active flavour at first use (PEP 562)."""
+
+    def __getattr__(name):
+        if name in names:
+            return resolve(name, module_name)
+        raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+
+    def __dir__():
+        return list(names)
+
+    return __getattr__, __dir__

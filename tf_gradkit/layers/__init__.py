@@ -4,12 +4,4 @@ from tf_gradkit import _flavour
 
 __all__ = ["AccumBatchNormalization"]
 
-
-def __getattr__(name):
-    if name in __all__:
-        return _flavour.resolve(name, __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return list(__all__)
+__getattr__, __dir__ = _flavour.lazy_exports(__name__, __all__)
