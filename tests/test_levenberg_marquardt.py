@@ -473,3 +473,22 @@ def test_least_squares_with_geodesic_acceleration_converges():
                                       geodesic_acceleration=True)
     assert bool(result.converged)
     assert float(b) == pytest.approx(0.3, rel=1e-8)
+
+
+def test_subclassed_unbuilt_model_with_steps_per_execution(K, gk):
+    class TwoLayer(K.Model):
+        def __init__(self):
+            super().__init__()
+            self.hidden = K.layers.Dense(8, activation="tanh")
+            self.out = K.layers.Dense(1)
+
+        def call(self, inputs):
+            return self.out(self.hidden(inputs))
+
+    x, y = regression_data(n=64)
+    model = TwoLayer()  # not built: LM builds its state at the first step
+    model.compile(optimizer=gk.LevenbergMarquardt(model), loss="mse",
+                  steps_per_execution=2)
+    history = model.fit(x, y, batch_size=16, epochs=4, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 16
+    assert history.history["loss"][-1] < 0.5 * history.history["loss"][0]

@@ -205,7 +205,12 @@ class LevenbergMarquardtMixin:
                 f"squared error loss (one of {MSE_NAMES}) or a cross-entropy "
                 f"(one of {sorted(CROSS_ENTROPY)}). Received: loss={loss!r}")
         x, y, sample_weight = self._unpack(data)
+        # The forward pass first: it builds a model that was not built yet.
+        y_pred = model(x, training=False)
         variables = model.trainable_variables
+        if not variables:
+            raise ValueError("LevenbergMarquardt: the model has no trainable "
+                             "variables to fit.")
         if self._lm_vars is None:
             with tf.init_scope():
                 self.build(variables)
@@ -218,7 +223,6 @@ class LevenbergMarquardtMixin:
             y_pred = model(xb, training=True)
             return _mse_residuals(y_pred, yb, wb, dtype, loss_weights)
 
-        y_pred = model(x, training=False)
         batch = tf.shape(tf.nest.flatten(x)[0])[0]
         if loss_name in CROSS_ENTROPY:
             return self._fit_step_cross_entropy(
