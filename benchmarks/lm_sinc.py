@@ -435,9 +435,12 @@ def main():
              + ", ".join(f"{v:.3f}" for v in pipeline.values()) + " s/epoch (per seed): a "
              "floor under every contender's s/epoch.", "",
              "s/epoch excludes the first epoch (tracing + XLA compilation), reported on its "
-             "own; it includes the pipeline (refilling the 20000-element shuffle buffer "
-             "each epoch). ms/step is the median train-batch duration over epochs 2.., "
-             "each epoch's first batch left out (it waits for the shuffle buffer). Final MSE: one forward pass over all 20000 points, float64 numpy, the "
+             "own; it includes the pipeline ("
+             + ("examples reshuffled every epoch (--reshuffle)" if RESHUFFLE else
+                "the peer's published one: shuffled once, then the cached batches")
+             + "). ms/step is the median train-batch duration over epochs 2.., "
+             "each epoch's first batch left out. Final MSE: one forward pass over all "
+             "20000 points, float64 numpy, the "
              "same for every contender. Adam trains until its summed epoch time reaches "
              "(a)'s summed epoch time (compilation included for both).", ""]
     lines += summary_lines(per_seed, epochs)
