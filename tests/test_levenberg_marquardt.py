@@ -492,3 +492,15 @@ def test_subclassed_unbuilt_model_with_steps_per_execution(K, gk):
     history = model.fit(x, y, batch_size=16, epochs=4, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 16
     assert history.history["loss"][-1] < 0.5 * history.history["loss"][0]
+
+
+def test_targets_not_matching_outputs_raise(K, gk):
+    from tf_gradkit import _lm_common
+    preds = {"a": tf.zeros([4, 1]), "b": tf.zeros([4, 2])}
+    with pytest.raises(ValueError, match="2 outputs but the data has 1 targets"):
+        _lm_common._mse_residuals(preds, tf.zeros([4, 1]), None, tf.float32)
+    model = mlp(K)
+    model.compile(optimizer=gk.LevenbergMarquardt(model), loss="mse")
+    x, _ = regression_data(n=8)
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError)):  # (8, 3) vs (8, 1)
+        model.fit(x, np.zeros((8, 3), "float32"), epochs=1, verbose=0)
