@@ -7,6 +7,7 @@ from tf_gradkit.core.accumulation import all_finite
 from tf_gradkit.core.accumulation import init_accumulation
 from tf_gradkit.core.accumulation import window_gradients
 from tf_gradkit.core.conditional_accumulator import ConditionalAccumulator
+from tf_gradkit.core import projections
 
 __all__ = [
     "AccumulationState",
@@ -16,4 +17,5 @@ __all__ = [
     "init_accumulation",
     "window_gradients",
     "ConditionalAccumulator",
+    "projections",
 ]
