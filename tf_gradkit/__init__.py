@@ -18,6 +18,7 @@ __all__ = [
     "ConditionalAccumulator",
     "LeastSquaresResult",
     "least_squares",
+    "constraints",
     "core",
     "keras3",
     "layers",
@@ -25,7 +26,8 @@ __all__ = [
     "tf_keras",
 ]
 
-_LAZY_SUBMODULES = ("core", "keras3", "layers", "optimizers", "tf_keras")
+_LAZY_SUBMODULES = ("constraints", "core", "keras3", "layers", "optimizers",
+                    "tf_keras")
 
 
 def __getattr__(name):

@@ -19,14 +19,17 @@ def active_flavour():
     return TF_KERAS if legacy in ("true", "True", "1") else KERAS3
 
 
-def resolve(name, module_name):
-    """Looks up ``name`` in ``tf_gradkit.<flavour>`` for the active flavour.
+def resolve(name, module_name, submodule=None):
+    """Looks up ``name`` in ``tf_gradkit.<flavour>[.<submodule>]`` for the
+    active flavour.
 
     Args:
       name: the public name, e.g. ``"GradientAccumulator"``.
       module_name: the asking module, for the error message.
+      submodule: optional module inside the flavour package.
     """
-    flavour_module = importlib.import_module(f"tf_gradkit.{active_flavour()}")
+    path = f"tf_gradkit.{active_flavour()}" + (f".{submodule}" if submodule else "")
+    flavour_module = importlib.import_module(path)
     try:
         return getattr(flavour_module, name)
     except AttributeError:
@@ -34,13 +37,13 @@ def resolve(name, module_name):
             f"module {module_name!r} has no attribute {name!r}") from None
 
 
-def lazy_exports(module_name, names):
+def lazy_exports(module_name, names, submodule=None):
     """``(__getattr__, __dir__)`` for a module whose public ``names`` resolve
     to the active flavour at first use (PEP 562)."""
 
     def __getattr__(name):
         if name in names:
-            return resolve(name, module_name)
+            return resolve(name, module_name, submodule)
         raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
 
     def __dir__():

@@ -1,0 +1,69 @@
+"""Constraint objects under the process's Keras flavour: exact projections as
+`kernel_constraint=`, validation at construction, config round trips."""
+
+import importlib
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_gradkit
+from conftest import FLAVOUR
+from helpers import regression_data
+
+C = importlib.import_module(f"tf_gradkit.{FLAVOUR}.constraints")
+
+
+def test_public_names_resolve_to_the_active_flavour():
+    assert tf_gradkit.constraints.Simplex is C.Simplex
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_kernel_constraint_holds_after_every_fit_step(K, jit):
+    x, y = regression_data(n=32)
+    model = K.Sequential([
+        K.Input((3,)),
+        K.layers.Dense(4, kernel_constraint=C.NonNeg(), bias_constraint=C.Box(-0.1, 0.1)),
+        K.layers.Dense(1, kernel_constraint=C.MaxNorm(0.5)),
+    ])
+    model.compile(optimizer=K.optimizers.Adam(0.1), loss="mse", jit_compile=jit)
+
+    class Check(K.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            first, bias = model.layers[0].kernel.numpy(), model.layers[0].bias.numpy()
+            assert first.min() >= 0.0
+            assert np.abs(bias).max() <= 0.1 + 1e-7
+            assert np.linalg.norm(model.layers[1].kernel.numpy(), axis=0).max() <= 0.5 + 1e-6
+
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[Check()])
+
+
+@pytest.mark.parametrize("constraint", [
+    lambda: C.NonNeg(), lambda: C.Box(-1.0, [0.5, 1.0]), lambda: C.L2Ball(2.0),
+    lambda: C.L1Ball(1.0), lambda: C.MaxNorm(1.0, axis=0), lambda: C.UnitNorm(axis=0),
+    lambda: C.Simplex(axis=-1), lambda: C.FixedMask([[1, 0], [0, 1], [1, 1]]),
+])
+def test_call_projects_idempotently_and_config_round_trips(constraint):
+    c = constraint()
+    w = tf.constant(np.random.RandomState(0).randn(3, 2) * 2, tf.float32)
+    once = c(w)
+    np.testing.assert_allclose(c(once).numpy(), once.numpy(), atol=1e-6)
+    clone = type(c).from_config(c.get_config())
+    np.testing.assert_allclose(clone(w).numpy(), once.numpy(), atol=0)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: C.Box(1.0, 0.0), "need lower <= upper"),
+    (lambda: C.L2Ball(-1.0), "`radius` must be a positive number"),
+    (lambda: C.L1Ball(0), "`radius` must be a positive number"),
+    (lambda: C.MaxNorm(2.0, axis=1.5), "`axis` must be an integer"),
+    (lambda: C.FixedMask([0.5, 1]), "`mask` must be a non-empty array of 0/1"),
+])
+def test_bad_arguments_raise_at_construction(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_fixed_mask_shape_mismatch_is_a_clear_error():
+    with pytest.raises(ValueError, match="does not match the variable's shape"):
+        C.FixedMask([1, 0])(tf.zeros([3]))
