@@ -296,9 +296,14 @@ class AccumulatorMixin:
                 # MirroredStrategy eagerly is slow and warns.
                 strategy = self._distribution_strategy
                 cache = _REPLICA_FUNCTIONS.setdefault(self, {})
-                if fn.__name__ not in cache:
-                    cache[fn.__name__] = tf.function(lambda: strategy.run(fn))
-                cache[fn.__name__]()
+                name = fn.__name__
+                if name not in cache:
+                    # A weak reference: the cached function must not keep the
+                    # optimizer (its weak key) alive.
+                    ref = weakref.ref(self)
+                    cache[name] = tf.function(
+                        lambda: strategy.run(getattr(ref(), name)))
+                cache[name]()
             else:
                 self._distribution_strategy.run(fn)
 

@@ -142,8 +142,8 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
             else:
                 lin = lin_lib.linearize(residual_fn, var_list,
                                         solver.needs_jacobian, dtype)
-            grad_small = info_grad = tf.reduce_max(tf.abs(lin.jtr))
-            grad_small = info_grad <= gtol * tf.maximum(lin.cost, 1.0)
+            grad_small = tf.reduce_max(tf.abs(lin.jtr)) <= gtol * tf.maximum(
+                lin.cost, 1.0)
 
             def take_step():
                 new_state, info = step_lib.levenberg_marquardt_step(
