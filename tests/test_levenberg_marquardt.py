@@ -316,11 +316,13 @@ def test_mixed_precision_model_trains_with_float32_solve(K, gk):
                               K.layers.Dense(1, dtype="float32")])
         opt = gk.LevenbergMarquardt(model)
         model.compile(optimizer=opt, loss="mse")
-        history = model.fit(x, y, batch_size=400, epochs=10, verbose=0)
+        history = model.fit(x, y, batch_size=400, epochs=30, verbose=0)
     finally:
         K.mixed_precision.set_global_policy("float32")
     assert opt.damping.dtype == tf.float32
-    assert history.history["loss"][-1] < 0.2 * history.history["loss"][0]
+    # 30 epochs: over 12 seeds x 2 flavours the worst final/initial ratio was
+    # 0.026 (10 epochs ranged up to 0.61 -- too early to judge). 0.1 leaves 4x.
+    assert history.history["loss"][-1] < 0.1 * history.history["loss"][0]
 
 
 def test_multi_output_residuals_match_the_compiled_loss(K, gk):
