@@ -50,3 +50,20 @@ def lazy_exports(module_name, names, submodule=None):
         return list(names)
 
     return __getattr__, __dir__
+
+
+def lazy_members(module_name, members):
+    """``(__getattr__, __dir__)`` for a flavour package: each public name in
+    ``members`` (name -> submodule) is imported from its submodule at first
+    use, so one optimizer's module never has to load for another's."""
+
+    def __getattr__(name):
+        if name in members:
+            module = importlib.import_module(f"{module_name}.{members[name]}")
+            return getattr(module, name)
+        raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+
+    def __dir__():
+        return sorted(members)
+
+    return __getattr__, __dir__

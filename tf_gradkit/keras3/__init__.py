@@ -1,7 +1,17 @@
-"""tf_gradkit for Keras 3 (``keras``). Importing this imports Keras 3 only."""
+"""tf_gradkit for Keras 3 (``keras``). Importing this imports Keras 3 only
+(each name loads its module at first use)."""
 
-from tf_gradkit.keras3.gradient_accumulator import GradientAccumulator
-from tf_gradkit.keras3.layers import AccumBatchNormalization
-from tf_gradkit.keras3.levenberg_marquardt import LevenbergMarquardt
+from tf_gradkit import _flavour
 
-__all__ = ["AccumBatchNormalization", "GradientAccumulator", "LevenbergMarquardt"]
+_MEMBERS = {
+    "AccumBatchNormalization": "layers",
+    "AugmentedLagrangian": "augmented_lagrangian",
+    "ConditionalGradient": "conditional_gradient",
+    "GradientAccumulator": "gradient_accumulator",
+    "LevenbergMarquardt": "levenberg_marquardt",
+    "Projected": "projected",
+}
+
+__all__ = sorted(_MEMBERS)
+
+__getattr__, __dir__ = _flavour.lazy_members(__name__, _MEMBERS)

@@ -3,11 +3,13 @@
 ``tf_gradkit.optimizers.GradientAccumulator`` is
 ``tf_gradkit.keras3.GradientAccumulator`` by default and
 ``tf_gradkit.tf_keras.GradientAccumulator`` when ``TF_USE_LEGACY_KERAS=1``;
-likewise ``LevenbergMarquardt``.
+likewise ``LevenbergMarquardt``, ``Projected``, ``ConditionalGradient`` and
+``AugmentedLagrangian``.
 """
 
 from tf_gradkit import _flavour
 
-__all__ = ["GradientAccumulator", "LevenbergMarquardt"]
+__all__ = ["AugmentedLagrangian", "ConditionalGradient", "GradientAccumulator",
+           "LevenbergMarquardt", "Projected"]
 
 __getattr__, __dir__ = _flavour.lazy_exports(__name__, __all__)

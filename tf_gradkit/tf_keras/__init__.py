@@ -1,7 +1,17 @@
-"""tf_gradkit for tf_keras (the Keras 2 line tfmot needs). Imports tf_keras only."""
+"""tf_gradkit for tf_keras (the Keras 2 line tfmot needs). Imports tf_keras only
+(each name loads its module at first use)."""
 
-from tf_gradkit.tf_keras.gradient_accumulator import GradientAccumulator
-from tf_gradkit.tf_keras.layers import AccumBatchNormalization
-from tf_gradkit.tf_keras.levenberg_marquardt import LevenbergMarquardt
+from tf_gradkit import _flavour
 
-__all__ = ["AccumBatchNormalization", "GradientAccumulator", "LevenbergMarquardt"]
+_MEMBERS = {
+    "AccumBatchNormalization": "layers",
+    "AugmentedLagrangian": "augmented_lagrangian",
+    "ConditionalGradient": "conditional_gradient",
+    "GradientAccumulator": "gradient_accumulator",
+    "LevenbergMarquardt": "levenberg_marquardt",
+    "Projected": "projected",
+}
+
+__all__ = sorted(_MEMBERS)
+
+__getattr__, __dir__ = _flavour.lazy_members(__name__, _MEMBERS)
