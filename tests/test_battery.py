@@ -14,6 +14,8 @@ import tensorflow as tf
 from conftest import compile_fn
 from helpers import max_abs_diff, mlp, regression_data, variables_of
 
+from tf_gradkit import constraints as C
+
 OPTIMIZERS = {
     "accumulate-adam-4": lambda K, gk, model: gk.GradientAccumulator(
         K.optimizers.Adam(0.02), steps=4, model=model),
@@ -26,6 +28,8 @@ OPTIMIZERS = {
         K.mixed_precision.LossScaleOptimizer(K.optimizers.Adam(0.02)), steps=2,
         model=model),
     "levenberg-marquardt": lambda K, gk, model: gk.LevenbergMarquardt(model),
+    "projected-adam-maxnorm": lambda K, gk, model: gk.Projected(
+        K.optimizers.Adam(0.02), {"kernel": C.MaxNorm(2.0)}, model=model),
     "levenberg-marquardt-qr-classic": lambda K, gk, model: gk.LevenbergMarquardt(
         model, controller="multiply_divide", scaling="levenberg", solver="qr"),
 }

@@ -59,14 +59,14 @@ GRADIENT_ACCUMULATOR = """Applies the wrapped optimizer once every ``steps`` mic
     """
 
 
-def wrong_optimizer(optimizer, flavour):
+def wrong_optimizer(optimizer, flavour, wrapper="GradientAccumulator"):
     other = "tf_keras" if flavour == "keras3" else "keras3"
     kind = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
     return (
-        f"GradientAccumulator (tf_gradkit.{flavour}) wraps a "
+        f"{wrapper} (tf_gradkit.{flavour}) wraps a "
         f"{'Keras 3 (keras.optimizers.Optimizer)' if flavour == 'keras3' else 'tf_keras (tf_keras.optimizers.Optimizer)'}"
         f" optimizer. Received: optimizer={kind}. For an optimizer of the "
-        f"other flavour use tf_gradkit.{other}.GradientAccumulator.")
+        f"other flavour use tf_gradkit.{other}.{wrapper}.")
 
 
 def unexpected_kwargs(kwargs):
@@ -77,8 +77,8 @@ def unexpected_kwargs(kwargs):
         "optimizer.")
 
 
-def wrong_model(model, accepted):
-    return (f"GradientAccumulator: `model` must be a {accepted}. Received: "
+def wrong_model(model, accepted, wrapper="GradientAccumulator"):
+    return (f"{wrapper}: `model` must be a {accepted}. Received: "
             f"model={type(model).__module__}.{type(model).__name__}")
 
 
@@ -119,3 +119,65 @@ LEVENBERG_MARQUARDT = """Levenberg-Marquardt as a {flavour} optimizer.
     >>> model.compile(optimizer=LevenbergMarquardt(model), loss="mse")
     >>> model.fit(x, y, batch_size=1000, epochs=100)
     """
+
+
+PROJECTED = """Wraps an optimizer so constrained variables are feasible after every step ({flavour}).
+
+The inner optimizer updates as usual; then, in the same step (eager,
+``tf.function`` or ``jit_compile=True``), every variable named in
+``constraints`` is replaced by its exact Euclidean projection, written once.
+
+Why not Keras's ``constraint=``: that needs access to the layer at build time
+(pretrained models and layers wrapped by other libraries do not give it);
+with ``use_ema=True`` Keras averages the unprojected weights, so the averaged
+weights ``fit`` leaves behind are infeasible; and Keras 3 projects a whole
+embedding table when a sparse gradient touched a few rows. Here:
+
+- ``use_ema=True`` on the inner optimizer: its moving average becomes the
+  average of the projected iterates and is kept feasible (for variables with
+  a Keras ``constraint=`` too), so ``finalize_variable_values`` writes
+  feasible weights;
+- sparse (``IndexedSlices``) gradients with a row-wise constraint (``NonNeg``,
+  scalar ``Box``, ``MaxNorm``/``UnitNorm``/``Simplex`` over a non-first axis,
+  ``FixedMask``) project only the touched rows when the inner update is
+  row-local (``sparse_rows="auto"``: plain SGD; Adam and momentum move every
+  row, so every row is projected);
+- variables with a Keras ``constraint=`` keep it (the inner optimizer applies
+  it); variables matched here are projected after that;
+- for gradient accumulation wrap this one:
+  ``GradientAccumulator(Projected(opt, ...), steps)`` projects after real
+  updates only (``Projected(GradientAccumulator(...))`` is refused).
+
+Args:
+  optimizer: the {K} optimizer doing the update.
+  constraints: a dict, or a list of ``(key, constraint)`` pairs. A key is a
+    variable or a regular-expression pattern searched in the variable's path
+    ({path}; ``"dense/kernel"`` matches ``sequential/dense/kernel``). A
+    constraint is a ``tf_gradkit.constraints`` object, a Keras constraint or
+    any callable ``tensor -> tensor`` that returns the projection. A pattern
+    matching nothing, or a variable matched twice, is an error.
+  model: optional; when given, ``constraints`` is checked against
+    ``model.trainable_variables`` at construction.
+  sparse_rows: ``"auto"``, ``True`` (the inner update is known to touch only
+    rows with a gradient) or ``False`` (always project whole variables).
+  name: optional name.
+
+Example:
+  >>> model.compile(optimizer=tf_gradkit.optimizers.Projected(
+  ...     {K}.optimizers.Adam(1e-3),
+  ...     {{"dense/kernel": tf_gradkit.constraints.NonNeg()}}), loss="mse")
+"""
+
+
+def projected_kwargs(kwargs):
+    return (f"Projected: unexpected arguments {sorted(kwargs)}; accepted are "
+            "optimizer, constraints, model, sparse_rows, name. Set learning "
+            "rate, clipping, weight decay and EMA on the inner optimizer.")
+
+
+def projected_accumulator(flavour):
+    return ("Projected: the inner optimizer is a GradientAccumulator; projecting "
+            "after every micro-batch would cost a projection per micro-step for "
+            "nothing. Wrap the other way round: "
+            f"tf_gradkit.{flavour}.GradientAccumulator(Projected(optimizer, "
+            "constraints), steps) projects after real updates only.")

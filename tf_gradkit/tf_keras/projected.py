@@ -1,0 +1,99 @@
+"""Projected for tf_keras (Keras 2 line): the thin adapter.
+
+Behaviour lives in `tf_gradkit._projected_common.ProjectedMixin`; this file
+holds what tf_keras does differently: ``variable.name`` as the path, plain
+``tf.Variable`` weights, ``apply_gradients(grads_and_vars)`` with
+``compute_gradients`` (its LossScaleOptimizer scales there) and where its EMA
+averages live.
+"""
+
+import tensorflow as tf
+import tf_keras
+
+from tf_gradkit import _docs
+from tf_gradkit import _projected_common as common
+
+_LossScaleOptimizer = tf_keras.mixed_precision.LossScaleOptimizer
+
+
+@tf_keras.saving.register_keras_serializable(package="tf_gradkit")
+class Projected(common.ProjectedMixin, tf_keras.optimizers.Optimizer):
+    _KERAS = tf_keras
+    __doc__ = _docs.PROJECTED.format(flavour="tf_keras", K="tf_keras",
+                                     path="tf_keras ``variable.name``")
+
+    def __init__(self, optimizer, constraints, model=None, sparse_rows="auto",
+                 name=None, **kwargs):
+        if kwargs:
+            raise TypeError(_docs.projected_kwargs(kwargs))
+        if not isinstance(optimizer, (tf_keras.optimizers.Optimizer,
+                                      _LossScaleOptimizer)):
+            raise TypeError(_docs.wrong_optimizer(optimizer, "tf_keras", "Projected"))
+        if type(optimizer).__name__ == "GradientAccumulator":
+            raise TypeError(_docs.projected_accumulator("tf_keras"))
+        if model is not None and not isinstance(model, tf_keras.Model):
+            raise TypeError(_docs.wrong_model(model, "tf_keras.Model", "Projected"))
+        super().__init__(name=name or "projected")
+        self._init_projected(optimizer, constraints, model, sparse_rows)
+
+    # ---------------------------------------------------- adapter hooks
+    @staticmethod
+    def _path_of(variable):
+        return variable.name
+
+    @staticmethod
+    def _tf_variable(variable):
+        return variable
+
+    @staticmethod
+    def _ema_average(owner, variable):
+        averages = getattr(owner, "_model_variables_moving_average", None)
+        if not averages:
+            return None
+        return averages[owner._index_dict[owner._var_key(variable)]]
+
+    @staticmethod
+    def _ema_momentum(owner):
+        return float(owner.ema_momentum)  # tf_keras: the same every step
+
+    # ------------------------------------------------------ optimizer API
+    def build(self, var_list):
+        super().build(var_list)
+        if getattr(self, "_built", False):
+            return
+        var_list = list(var_list)
+        self.inner_optimizer.build(var_list)  # idempotent in tf_keras
+        self._trainable_variables = var_list
+        self._resolve(var_list)
+        self._built = True
+
+    @property
+    def variables(self):
+        return tf_keras.src.optimizers.optimizer.CallableList(
+            list(self._variables) + list(self.inner_optimizer.variables))
+
+    def compute_gradients(self, loss, var_list, tape=None):
+        return self.inner_optimizer.compute_gradients(loss, var_list, tape=tape)
+
+    def apply_gradients(self, grads_and_vars, name=None,
+                        skip_gradients_aggregation=False, **kwargs):
+        grads_and_vars = list(grads_and_vars)
+        if not grads_and_vars:
+            return self.iterations
+        grads, variables = zip(*grads_and_vars)
+        with tf.init_scope():
+            self.build(variables)
+        self.inner_optimizer.apply_gradients(
+            grads_and_vars, name=name,
+            skip_gradients_aggregation=skip_gradients_aggregation, **kwargs)
+        self._project_after_update(grads, variables)
+        return self.iterations
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+        if self._ema_owner() is not None:
+            self._finalize_projection(var_list)
+
+    @common.ProjectedMixin.iterations.setter
+    def iterations(self, variable):
+        self.inner_optimizer.iterations = variable
