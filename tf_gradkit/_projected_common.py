@@ -123,10 +123,6 @@ def project_within_support(constraint, value, mask):
     return tf.where(keep, constraint(tf.where(keep, value, zeros)), zeros)
 
 
-def _unique_rows(indices):
-    return tf.unique(tf.cast(indices, tf.int64))[0]
-
-
 # ------------------------------------------------------------------ mixin
 class ProjectedMixin:
     """The flavour-independent half of ``Projected``."""
@@ -368,7 +364,9 @@ def _when(pred, fn):
 
 
 def _project_rows(target, fn, indices):
-    idx = _unique_rows(indices)
+    # Repeated indices are fine without a (slow under XLA) tf.unique: each
+    # copy of a row projects to the same value, so the scatter writes agree.
+    idx = tf.cast(indices, tf.int64)
     rows = tf.gather(target, idx)
     new_rows = tf.cast(fn(rows, idx), target.dtype)
     return target.scatter_update(tf.IndexedSlices(new_rows, idx))
