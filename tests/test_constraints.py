@@ -67,3 +67,75 @@ def test_bad_arguments_raise_at_construction(make, match):
 def test_fixed_mask_shape_mismatch_is_a_clear_error():
     with pytest.raises(ValueError, match="does not match the variable's shape"):
         C.FixedMask([1, 0])(tf.zeros([3]))
+
+
+def test_matrix_constraint_names_resolve_to_the_active_flavour():
+    assert tf_gradkit.constraints.Orthogonal is C.Orthogonal
+    assert tf_gradkit.constraints.Monotone is C.Monotone
+    assert tf_gradkit.constraints.PSD is C.PSD
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_matrix_constraints_hold_after_every_fit_step(K, jit):
+    rng = np.random.RandomState(0)
+    x = rng.randn(32, 4, 4, 2).astype("float32")
+    y = rng.randn(32, 1).astype("float32")
+    model = K.Sequential([
+        K.Input((4, 4, 2)),
+        K.layers.Conv2D(4, 3, kernel_constraint=C.Orthogonal()),     # [3, 3, 2, 4]
+        K.layers.GlobalAveragePooling2D(),
+        K.layers.Dense(4, kernel_constraint=C.PSD()),                # [4, 4]
+        K.layers.Dense(1, kernel_constraint=C.Monotone(axis=0)),     # [4, 1]
+    ])
+    model.compile(optimizer=K.optimizers.Adam(0.1), loss="mse", jit_compile=jit)
+
+    class Check(K.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            conv = model.layers[0].kernel.numpy().reshape(18, 4).astype("float64")
+            # Orthonormal columns to float32 rounding: |Q^T Q - I| ~ sqrt(18) eps32.
+            np.testing.assert_allclose(conv.T @ conv, np.eye(4), atol=2e-6)
+            psd = model.layers[2].kernel.numpy()
+            np.testing.assert_array_equal(psd, psd.T)
+            # eigh rounding: eigenvalues >= -n * eps32 * |w|_2, |w|_2 ~ 1 here.
+            assert np.linalg.eigvalsh(psd.astype("float64")).min() >= -1e-5
+            assert np.all(np.diff(model.layers[3].kernel.numpy()[:, 0]) >= 0)
+
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[Check()])
+
+
+@pytest.mark.parametrize("constraint,shape", [
+    (lambda: C.Orthogonal(), (6, 3)), (lambda: C.Orthogonal(), (3, 3, 2, 4)),
+    (lambda: C.Monotone(), (3, 5)), (lambda: C.Monotone(axis=0, increasing=False), (5, 2)),
+    (lambda: C.PSD(), (4, 4)), (lambda: C.PSD(), (2, 3, 3)),
+])
+def test_matrix_constraints_project_idempotently_and_serialise(K, constraint, shape):
+    c = constraint()
+    w = tf.constant(np.random.RandomState(1).randn(*shape), tf.float32)
+    once = c(w)
+    # Each projection is exact up to float32 rounding of O(1) entries: a
+    # second call moves the result by a few eps32 (~1e-7) at most.
+    np.testing.assert_allclose(c(once).numpy(), once.numpy(), atol=2e-6)
+    clone = type(c).from_config(c.get_config())
+    np.testing.assert_allclose(clone(w).numpy(), once.numpy(), atol=0)
+    revived = K.constraints.deserialize(K.constraints.serialize(c))
+    assert type(revived) is type(c) and revived.get_config() == c.get_config()
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: C.Monotone(axis=1.5), "Monotone: `axis` must be an integer"),
+    (lambda: C.Monotone(increasing="yes"), "Monotone: `increasing` must be True or False"),
+])
+def test_matrix_constraint_bad_arguments_raise_at_construction(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+@pytest.mark.parametrize("constraint,shape,match", [
+    (lambda: C.Orthogonal(), (5,), r"Orthogonal: needs a variable of rank >= 2.*shape \(5,\)"),
+    (lambda: C.PSD(), (3, 4), r"PSD: needs square matrices.*shape \(3, 4\)"),
+    (lambda: C.PSD(), (4,), r"PSD: needs square matrices.*shape \(4,\)"),
+    (lambda: C.Monotone(axis=2), (3, 4), r"Monotone: axis=2 is out of range.*\(3, 4\)"),
+])
+def test_matrix_constraint_bad_shapes_are_clear_errors(constraint, shape, match):
+    with pytest.raises(ValueError, match=match):
+        constraint()(tf.zeros(shape))

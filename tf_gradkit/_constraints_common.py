@@ -1,4 +1,5 @@
-"""Keras constraint objects over `tf_gradkit.core.projections`, built once per
+"""Keras constraint objects over `tf_gradkit.core.projections` and
+`tf_gradkit.core.matrix_projections`, built once per
 flavour by `build_constraints(base_class, register)` so the two Keras flavours
 share one definition (each adapter passes its own ``Constraint`` base class and
 serialisation decorator).
@@ -13,6 +14,7 @@ import numbers
 import numpy as np
 import tensorflow as tf
 
+from tf_gradkit.core import matrix_projections as MP
 from tf_gradkit.core import projections as P
 
 
@@ -141,9 +143,61 @@ def build_constraints(base, register):
                                  f"match the variable's shape {tuple(w.shape)}.")
             return P.apply_mask(w, tf.constant(self.mask))
 
+    @register(package="tf_gradkit")
+    class Orthogonal(_Base):
+        """Orthonormal columns (rows if wide): the nearest such matrix, the
+        polar factor, by Newton-Schulz; kernels of rank > 2 act as
+        ``[prod(leading dims), last dim]``. ``O(iters * m * n^2)``."""
+
+        def __init__(self):
+            self._config = {}
+
+        def __call__(self, w):
+            if len(w.shape) < 2:
+                raise ValueError("Orthogonal: needs a variable of rank >= 2 (a matrix or "
+                                 f"a kernel [..., c_in, c_out]). Received shape "
+                                 f"{tuple(w.shape)}.")
+            return MP.project_orthogonal(w)
+
+    @register(package="tf_gradkit")
+    class Monotone(_Base):
+        """Each slice along ``axis`` non-decreasing (``increasing=False``:
+        non-increasing): exact isotonic regression; ``O(n^2 log n)`` per slice."""
+
+        def __init__(self, axis=-1, increasing=True):
+            self.axis = _int("Monotone", "axis", axis)
+            if not isinstance(increasing, (bool, np.bool_)):
+                raise ValueError("Monotone: `increasing` must be True or False. "
+                                 f"Received: increasing={increasing!r}")
+            self.increasing = bool(increasing)
+            self._config = {"axis": self.axis, "increasing": self.increasing}
+
+        def __call__(self, w):
+            rank = len(w.shape)
+            if not -rank <= self.axis < rank:
+                raise ValueError(f"Monotone: axis={self.axis} is out of range for a "
+                                 f"variable of shape {tuple(w.shape)}.")
+            return MP.project_monotone(w, self.axis, self.increasing)
+
+    @register(package="tf_gradkit")
+    class PSD(_Base):
+        """Symmetric positive semidefinite ``[..., n, n]`` (nearest in Frobenius
+        norm: clipped eigenvalues of the symmetric part; one ``eigh``, ``O(n^3)``)."""
+
+        def __init__(self):
+            self._config = {}
+
+        def __call__(self, w):
+            shape = tuple(w.shape)
+            if len(shape) < 2 or shape[-1] != shape[-2]:
+                raise ValueError("PSD: needs square matrices [..., n, n]. Received shape "
+                                 f"{shape}.")
+            return MP.project_psd(w)
+
     return {cls.__name__: cls for cls in
-            (NonNeg, Box, L2Ball, L1Ball, MaxNorm, UnitNorm, Simplex, FixedMask)}
+            (NonNeg, Box, L2Ball, L1Ball, MaxNorm, UnitNorm, Simplex, FixedMask,
+             Orthogonal, Monotone, PSD)}
 
 
-NAMES = ["Box", "FixedMask", "L1Ball", "L2Ball", "MaxNorm", "NonNeg", "Simplex",
-         "UnitNorm"]
+NAMES = ["Box", "FixedMask", "L1Ball", "L2Ball", "MaxNorm", "Monotone", "NonNeg",
+         "Orthogonal", "PSD", "Simplex", "UnitNorm"]
