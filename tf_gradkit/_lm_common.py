@@ -55,11 +55,17 @@ def check_parts(scaling, solver):
             f"scaling={type(scaling).__name__}")
 
 
-def linearize_for(solver, residual_fn, variables, dtype):
+def linearize_for(solver, residual_fn, variables, dtype, support=None):
     """The linearisation a solver needs: matrix-free, with J, or J^T J only."""
     if getattr(solver, "matrix_free", False):
+        if support is not None:
+            raise ValueError(
+                "LevenbergMarquardt: with pruning masks the step solves over the "
+                "unpruned weights only, which needs a formed J^T J or J "
+                "(solver='cholesky', 'qr' or 'dual'), not solver='cg'.")
         return lin_lib.linearize_matrix_free(residual_fn, variables, dtype)
-    return lin_lib.linearize(residual_fn, variables, solver.needs_jacobian, dtype)
+    return lin_lib.linearize(residual_fn, variables, solver.needs_jacobian, dtype,
+                             support=support)
 
 
 def _from_logits(loss):
@@ -176,7 +182,10 @@ class LevenbergMarquardtMixin:
                 self.build(var_list)
         tf_vars = self._tf_variables(var_list)
         dtype = self._lm_vars.damping.dtype
-        lin = linearize_for(self.solver, residual_fn, tf_vars, dtype)
+        # Plain attribute (no Keras tracking): trace-time Python state.
+        object.__setattr__(self, "_step_support", self._support(var_list, tf_vars))
+        lin = linearize_for(self.solver, residual_fn, tf_vars, dtype,
+                            self._step_support)
         return self._iterate(lin, lambda: _half_sum_sq(residual_fn(), dtype),
                              tf_vars)[1].new_cost
 
@@ -184,9 +193,42 @@ class LevenbergMarquardtMixin:
         state, info = step_lib.levenberg_marquardt_step(
             lin, cost_fn, tf_vars, self._read_state(), controller=self.controller,
             scaling=self.scaling, solver=self.solver,
-            max_attempts=self.max_attempts)
+            max_attempts=self.max_attempts,
+            support=getattr(self, "_step_support", None))
         self._write_state(state, info)
         return state, info
+
+    # ------------------------------------------------------------ pruning
+    def set_support_masks(self, fn):
+        """``fn(variable) -> mask or None``: solve only for weights whose mask
+        is non-zero (called by `tf_gradkit.pruning.MaskAware`).
+
+        The Jacobian then has one column per unpruned weight, so at 80%
+        sparsity the damped system is 5x smaller. The system's size is read
+        from the masks when the step is traced (eagerly: every step); a traced
+        step keeps it, padding with frozen entries as more weights are pruned,
+        so after a pruning schedule ends, re-trace (e.g.
+        ``model.make_train_function(force=True)``) to get the full saving.
+        """
+        object.__setattr__(self, "_support_masks", fn)
+
+    def _support(self, variables, tf_vars):
+        fn = getattr(self, "_support_masks", None)
+        if fn is None:
+            return None
+        masks = [fn(v) for v in variables]
+        if all(m is None for m in masks):
+            return None
+        parts, capacity = [], 0
+        for v, m in zip(tf_vars, masks):
+            n = v.shape.num_elements()
+            if m is None:
+                parts.append(tf.ones([n], tf.float32))
+                capacity += n
+                continue
+            parts.append(tf.reshape(tf.cast(tf.not_equal(m, 0), tf.float32), [-1]))
+            capacity += _count_nonzero_now(m, n)
+        return lin_lib.support_from_mask(tf.concat(parts, axis=0), max(capacity, 1))
 
     def _take_over_train_step(self, model):
         optimizer = self
@@ -216,6 +258,8 @@ class LevenbergMarquardtMixin:
                 self.build(variables)
         tf_vars = self._tf_variables(variables)
         dtype = self._lm_vars.damping.dtype
+        support = self._support(variables, tf_vars)
+        object.__setattr__(self, "_step_support", support)
 
         loss_weights = compiled_loss_weights(model)
 
@@ -230,7 +274,7 @@ class LevenbergMarquardtMixin:
                 CROSS_ENTROPY[loss_name], _from_logits(loss))
         if self.chunk_size is None:
             lin = linearize_for(self.solver, lambda: residuals(x, y, sample_weight),
-                                tf_vars, dtype)
+                                tf_vars, dtype, support)
         else:
             lin = self._chunked(residuals, x, y, sample_weight, batch, tf_vars, dtype)
         return self._step_and_report(
@@ -256,7 +300,7 @@ class LevenbergMarquardtMixin:
 
         lin = ggn_lib.linearize_cross_entropy(
             lambda: model(x, training=True), y, example_weights(x, sample_weight),
-            tf_vars, kind, from_logits, dtype)
+            tf_vars, kind, from_logits, dtype, support=self._step_support)
         return self._step_and_report(
             model, x, y, sample_weight, y_pred, lin,
             lambda xb, yb, wb: ggn_lib.cross_entropy_cost(
@@ -334,7 +378,8 @@ class LevenbergMarquardtMixin:
                 take(sample_weight), dtype)
             return residuals(xb, yb, wb)
 
-        return lin_lib.linearize_chunked(chunk, num_chunks, tf_vars, dtype)
+        return lin_lib.linearize_chunked(chunk, num_chunks, tf_vars, dtype,
+                                         support=self._step_support)
 
     def apply_gradients(self, *args, **kwargs):
         del args, kwargs
@@ -356,6 +401,16 @@ class LevenbergMarquardtMixin:
             "max_attempts": self.max_attempts,
             "chunk_size": self.chunk_size,
         }
+
+
+def _count_nonzero_now(mask, size):
+    """Non-zeros of a mask variable at trace time; ``size`` if it cannot be
+    read then (a graph tensor), which keeps every entry in the system."""
+    try:
+        with tf.init_scope():
+            return int(tf.math.count_nonzero(tf.convert_to_tensor(mask)).numpy())
+    except Exception:  # noqa: BLE001 - a symbolic tensor: no value yet
+        return size
 
 
 def _half_sum_sq(residuals, dtype):

@@ -61,7 +61,7 @@ def _per_example_terms(kind, from_logits, outputs, targets, weights, eps):
 
 
 def linearize_cross_entropy(output_fn, targets, weights, variables, kind,
-                            from_logits, dtype):
+                            from_logits, dtype, support=None):
     """GGN linearisation of a (weighted, summed) cross-entropy.
 
     Args:
@@ -72,6 +72,7 @@ def linearize_cross_entropy(output_fn, targets, weights, variables, kind,
       kind: one of `LOSSES`.
       from_logits: whether the output is logits.
       dtype: the solve's dtype.
+      support: optional `linearize.Support` (only those parameters).
 
     Returns:
       A `Linearization` with ``cost`` = the weighted loss sum, ``jtj`` = G and
@@ -79,7 +80,8 @@ def linearize_cross_entropy(output_fn, targets, weights, variables, kind,
     """
     if kind not in LOSSES:
         raise ValueError(f"`kind` must be one of {LOSSES}. Received: {kind!r}")
-    outputs, jac = lin_lib.residuals_and_jacobian(output_fn, variables, dtype)
+    outputs, jac = lin_lib.residuals_and_jacobian(output_fn, variables, dtype,
+                                                  support=support)
     b = tf.shape(weights)[0]
     outputs = tf.reshape(outputs, [b, -1])                      # [B, C]
     jac = tf.reshape(jac, [b, tf.shape(outputs)[1], -1])        # [B, C, P]

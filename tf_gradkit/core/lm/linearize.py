@@ -19,9 +19,42 @@ Two ways to linearise:
   at chunk 250, flat from batch 1000 to 10000; benchmarks/lm_memory.py).
 """
 
+from typing import NamedTuple
+
 import tensorflow as tf
 
 from tf_gradkit.core.lm.solvers import Linearization
+
+
+class Support(NamedTuple):
+    """The parameters LM solves for: ``indices`` [k] into the flat parameter
+    vector, ``valid`` [k] (False for padding). Pruned weights are left out, so
+    the Jacobian has k columns and the damped system is k x k; a static ``k``
+    (padding with frozen entries) keeps the step compilable by XLA."""
+
+    indices: tf.Tensor
+    valid: tf.Tensor
+
+    @property
+    def size(self):
+        return self.indices.shape[0]
+
+
+def support_from_mask(flat_mask, capacity):
+    """The first ``capacity`` entries where ``flat_mask != 0``, in index order
+    (``top_k`` keeps the lower index first among ties), padded with frozen
+    entries when fewer are kept."""
+    keep = tf.cast(tf.not_equal(flat_mask, 0), tf.float32)
+    _, indices = tf.math.top_k(keep, k=capacity, sorted=True)
+    return Support(indices=indices, valid=tf.gather(keep, indices) > 0)
+
+
+def to_full(step, support, num_params):
+    """Scatters a step over the support into the full parameter vector."""
+    if support is None:
+        return step
+    step = tf.where(support.valid, step, tf.zeros_like(step))
+    return tf.scatter_nd(support.indices[:, None], step, [num_params])
 
 
 def flatten(tensors, dtype=None):
@@ -42,7 +75,8 @@ def unflatten(vector, variables):
 JACOBIAN_MODES = ("auto", "forward", "reverse")
 
 
-def residuals_and_jacobian(residual_fn, variables, dtype, mode="auto"):
+def residuals_and_jacobian(residual_fn, variables, dtype, mode="auto",
+                           support=None):
     """Flat residuals [N] and the Jacobian [N, P] of ``residual_fn``.
 
     Args:
@@ -51,17 +85,19 @@ def residuals_and_jacobian(residual_fn, variables, dtype, mode="auto"):
       dtype: dtype of the returned tensors.
       mode: "forward", "reverse", or "auto" (forward when N >= P statically,
         or when N is unknown).
+      support: optional `Support`: only those columns (k of them) are formed.
     """
     if mode not in JACOBIAN_MODES:
         raise ValueError(f"`jacobian_mode` must be one of {JACOBIAN_MODES}. "
                          f"Received: jacobian_mode={mode!r}")
     num_params = sum(v.shape.num_elements() for v in variables)
+    columns = num_params if support is None else support.size
     if mode != "reverse":
         residuals = tf.reshape(residual_fn(), [-1])
         n = residuals.shape[0]
-        if mode == "forward" or n is None or n >= num_params:
+        if mode == "forward" or n is None or n >= columns:
             return tf.cast(residuals, dtype), _forward_jacobian(
-                residual_fn, variables, num_params, dtype)
+                residual_fn, variables, num_params, dtype, support)
     with tf.GradientTape() as tape:
         residuals = tf.reshape(residual_fn(), [-1])
     jac = tape.jacobian(residuals, variables,
@@ -70,10 +106,13 @@ def residuals_and_jacobian(residual_fn, variables, dtype, mode="auto"):
     n = tf.shape(residuals)[0]
     jacobian = tf.concat([tf.cast(tf.reshape(j, [n, -1]), dtype) for j in jac],
                          axis=1)
+    if support is not None:
+        jacobian = tf.gather(jacobian, support.indices, axis=1) * tf.cast(
+            support.valid, dtype)
     return tf.cast(residuals, dtype), jacobian
 
 
-def _forward_jacobian(residual_fn, variables, num_params, dtype):
+def _forward_jacobian(residual_fn, variables, num_params, dtype, support=None):
     def jvp(tangent):
         tangents = unflatten(tangent, variables)
         with tf.autodiff.ForwardAccumulator(variables, tangents) as acc:
@@ -81,14 +120,21 @@ def _forward_jacobian(residual_fn, variables, num_params, dtype):
         return tf.cast(acc.jvp(r, unconnected_gradients=tf.UnconnectedGradients.ZERO),
                        dtype)
 
-    basis = tf.eye(num_params, dtype=variables[0].dtype)
+    if support is None:
+        basis = tf.eye(num_params, dtype=variables[0].dtype)
+    else:  # one tangent per kept parameter; padding gets a zero tangent
+        basis = tf.one_hot(support.indices, num_params,
+                           dtype=variables[0].dtype) * tf.cast(
+                               support.valid, variables[0].dtype)[:, None]
     return tf.transpose(tf.vectorized_map(jvp, basis))
 
 
-def linearize(residual_fn, variables, needs_jacobian, dtype, mode="auto"):
-    """Linearises ``residual_fn`` (zero arguments) at the current variables."""
+def linearize(residual_fn, variables, needs_jacobian, dtype, mode="auto",
+              support=None):
+    """Linearises ``residual_fn`` (zero arguments) at the current variables
+    (over ``support`` only, when given)."""
     residuals, jacobian = residuals_and_jacobian(residual_fn, variables, dtype,
-                                                 mode)
+                                                 mode, support)
     return Linearization(
         cost=0.5 * tf.reduce_sum(tf.square(residuals)),
         jtj=tf.matmul(jacobian, jacobian, transpose_a=True),
@@ -122,7 +168,7 @@ def linearize_matrix_free(residual_fn, variables, dtype):
 
 
 def linearize_chunked(chunk_residual_fn, num_chunks, variables, dtype,
-                      mode="auto"):
+                      mode="auto", support=None):
     """Accumulates J^T J, J^T r and the cost over ``num_chunks`` row chunks.
 
     Args:
@@ -132,11 +178,12 @@ def linearize_chunked(chunk_residual_fn, num_chunks, variables, dtype,
       variables: the parameters.
       dtype: the solve's dtype.
     """
-    p = sum(v.shape.num_elements() for v in variables)
+    p = (sum(v.shape.num_elements() for v in variables) if support is None
+         else support.size)
 
     def body(i, jtj, jtr, cost):
         r, jac = residuals_and_jacobian(lambda: chunk_residual_fn(i), variables,
-                                        dtype, mode)
+                                        dtype, mode, support)
         return (i + 1, jtj + tf.matmul(jac, jac, transpose_a=True),
                 jtr + tf.linalg.matvec(jac, r, transpose_a=True),
                 cost + 0.5 * tf.reduce_sum(tf.square(r)))

@@ -46,7 +46,8 @@ def init_state(controller, scaling, num_params, dtype):
 
 
 def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
-                             scaling, solver, max_attempts, geodesic=None):
+                             scaling, solver, max_attempts, geodesic=None,
+                             support=None):
     """Runs one LM iteration from the linearisation ``lin``.
 
     Args:
@@ -60,18 +61,29 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
       max_attempts: Python int, attempts before giving up on this iteration.
       geodesic: optional `geodesic.GeodesicAcceleration`, adding the
         second-order correction to each attempted step.
+      support: optional `linearize.Support` the linearisation was taken over;
+        the step moves only those parameters (pruned weights stay put) and
+        the damping scale of the others is kept as it was.
 
     Returns:
       ``(new_state, StepInfo)``.
     """
     dtype = lin.jtr.dtype
+    if support is not None and geodesic is not None:
+        raise ValueError("levenberg_marquardt_step: geodesic acceleration "
+                         "over a support is not supported.")
+    num_params = state.scale.shape[0]
     x0 = [tf.identity(v) for v in variables]
     # Matrix-free linearisations have no diag(J^T J): only Levenberg scaling,
     # which ignores it, applies (the adapters check this at construction).
     jtj_diag = (tf.linalg.diag_part(lin.jtj) if lin.jtj is not None
                 else tf.zeros_like(lin.jtr))
-    scale = scaling.update(state.scale, jtj_diag)
+    old_scale = (state.scale if support is None
+                 else tf.gather(state.scale, support.indices))
+    scale = scaling.update(old_scale, jtj_diag)
     d2 = scaling.diagonal(scale, jtj_diag)
+    if support is not None:  # padding: a positive diagonal, a zero step
+        d2 = tf.where(support.valid, d2, tf.ones_like(d2))
 
     def attempt(i, accepted, damping, nu, new_cost, step_norm, rho, predicted,
                 first_norm):
@@ -83,7 +95,8 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
                                               variables, x0)
             ok = ok & accel_ok
             step = tf.where(ok, step, tf.zeros_like(step))
-        for v, v0, d in zip(variables, x0, lin_lib.unflatten(step, variables)):
+        full = lin_lib.to_full(step, support, num_params)
+        for v, v0, d in zip(variables, x0, lin_lib.unflatten(full, variables)):
             v.assign(v0 + d)
         trial = tf.cast(cost_fn(), dtype)
         predicted = -tf.tensordot(step, lin.jtr, 1) - 0.5 * tf.tensordot(
@@ -114,6 +127,10 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
         return tf.constant(True)
 
     tf.cond(accepted, lambda: tf.constant(False), restore)
+    if support is not None:
+        scale = tf.tensor_scatter_nd_update(
+            state.scale, support.indices[:, None],
+            tf.where(support.valid, scale, old_scale))
     info = StepInfo(cost=lin.cost, new_cost=new_cost, accepted=accepted,
                     attempts=attempts, step_norm=tf.where(accepted, step_norm, zero),
                     gradient_norm=tf.reduce_max(tf.abs(lin.jtr)), rho=rho,
