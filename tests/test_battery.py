@@ -32,6 +32,7 @@ OPTIMIZERS = {
         K.optimizers.Adam(0.02), {"kernel": C.MaxNorm(2.0)}, model=model),
     "levenberg-marquardt-qr-classic": lambda K, gk, model: gk.LevenbergMarquardt(
         model, controller="multiply_divide", scaling="levenberg", solver="qr"),
+    "conditional-gradient-fro": lambda K, gk, model: gk.ConditionalGradient(0.1, lambda_=2.0),
 }
 
 NAMES = sorted(OPTIMIZERS)
