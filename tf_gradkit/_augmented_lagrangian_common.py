@@ -1,0 +1,516 @@
+"""What both AugmentedLagrangian adapters share, none of it Keras-specific.
+
+- `AugmentedLagrangianMixin`: the wrapper's behaviour, written against three
+  adapter hooks (`_make_variable`, `_inner_apply`, `_KERAS`);
+- argument validation, so both flavours reject bad input with the same words;
+- `TrainStepHooks`: when the user hands the model in, an instance-level wrapper
+  of ``model.compute_loss`` (adds the terms of output constraints inside the
+  train step's tape) and ``model.train_step`` (marks the train step, adds
+  ``lagrange_violation`` and ``penalty`` to the logs). Never the model's class.
+
+Where each constraint's terms enter the gradient:
+
+- ``fn()`` constraints (closing over variables) are the optimizer's own
+  business: ``apply`` evaluates them under its own tape and adds the gradient
+  of their augmented terms to the gradients it was given. Nothing to do for
+  the user, under ``fit`` or in a custom loop.
+- ``fn(y_pred, batch)`` constraints need the forward pass, so they enter
+  through the loss: ``optimizer.lagrangian_loss(loss, y_pred, batch)`` in a
+  custom loop, or automatically under ``fit`` when ``model=`` was passed.
+"""
+
+import functools
+import inspect
+import numbers
+import threading
+import weakref
+from collections.abc import Mapping
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gradkit.core import augmented_lagrangian as rule
+
+_OWNER = "AugmentedLagrangian"
+
+AUGMENTED_LAGRANGIAN = """Soft constraints with multipliers: the PHR augmented Lagrangian ({flavour}).
+
+Wraps any optimizer (``inner``). The minimised objective is
+
+    loss + sum_ineq [lambda s + rho/2 s^2],  s = max(g, -lambda/rho)   (g <= 0)
+         + sum_eq   [lambda h + rho/2 h^2]                            (h == 0)
+
+elementwise over each constraint's value. Every ``dual_every`` optimizer steps
+the multipliers take a dual-ascent step with the constraint values averaged
+over those steps (``lambda <- max(0, lambda + rho g)``, ``lambda <- lambda +
+rho h``), and the penalty ``rho`` is multiplied by ``growth`` (capped at
+``max_penalty``) when the dual residual ``max(|s|, |h|)`` has not fallen below
+``decrease`` times its value at the previous dual update (ALGENCAN's rule;
+Birgin & Martinez 2014). Multipliers and penalty are non-trainable optimizer
+variables: checkpointed with the optimizer, updated inside the compiled step
+(eager, ``tf.function``, ``jit_compile=True``), readable with ``metrics()``.
+
+Unlike ``kernel_constraint=`` (a projection Keras applies after each update,
+exact but only for sets with a cheap projection), this handles any
+differentiable constraint, on weights or on model outputs, and is exact only
+at convergence.
+
+Args:
+  optimizer: the inner {K} optimizer taking the primal steps.
+  constraints: a list of ``Inequality(fn)`` / ``Equality(fn)`` specs (or
+    ``(fn, kind)`` pairs). ``fn()`` closes over variables and is handled by the
+    optimizer itself; ``fn(y_pred, batch)`` constrains model outputs (rates,
+    fairness) and enters through the loss: pass ``model=`` for ``fit`` or
+    call ``lagrangian_loss`` in a custom loop.
+  model: optional {K}.Model; its instance (not class) gets a ``train_step``
+    and ``compute_loss`` wrapper that adds output-constraint terms to the loss
+    in the train step's tape and ``lagrange_violation``, ``penalty`` to the
+    ``fit`` logs. ``batch`` is then ``(x, y, sample_weight)``.
+  dual_every: optimizer steps per dual update (the inner minimisation).
+  initial_penalty: ``rho`` at the start, >= 0. ``0`` freezes the multipliers
+    (dual steps are ``rho`` times the violation) and the penalty.
+  growth: factor > 1 by which ``rho`` grows when the residual stalls.
+  max_penalty: cap on ``rho`` (keeps the inner problem's conditioning sane
+    for first-order inner optimizers).
+  decrease: in (0, 1), the residual must fall below ``decrease`` times its
+    previous value at each dual update, else ``rho`` grows.
+  tolerance: no growth while the residual is below it (round-off and
+    sampling noise never push ``rho`` to its cap).
+  name: optimizer name.
+
+``get_config`` records the constraints' names and kinds but not their
+callables: ``from_config(config, constraints=[...])`` takes them again.
+Wrap this optimizer in a LossScaleOptimizer for mixed precision (not the
+reverse: the inner optimizer must see unscaled gradients).
+
+Example:
+
+    >>> x = tf.Variable([0.5, 0.5])
+    >>> opt = AugmentedLagrangian(
+    ...     {K}.optimizers.SGD(0.05),
+    ...     [Equality(lambda: tf.reduce_sum(x) - 1.0), Inequality(lambda: x[0] - 0.1)],
+    ...     max_penalty=10.0)  # plain SGD: keep lr * max_penalty * |grad g|^2 < 2
+    >>> for _ in range(500):
+    ...     with tf.GradientTape() as tape:
+    ...         loss = tf.reduce_sum(tf.square(x - [1.0, 0.0]))
+    ...     opt.apply_gradients(zip(tape.gradient(loss, [x]), [x]))
+    >>> # x -> [0.1, 0.9]; opt.metrics()["lagrange_violation"] -> 0
+"""
+
+
+# --------------------------------------------------------------- validation
+def _number(name, value, ok, accepted):
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not np.isfinite(value) or not ok(value)):
+        raise ValueError(f"{_OWNER}: `{name}` must be {accepted}. "
+                         f"Received: {name}={value!r}")
+    return float(value)
+
+
+def validate_arguments(constraints, dual_every, initial_penalty, growth,
+                       max_penalty, decrease, tolerance):
+    """Returns the constraint specs; raises a clear error for bad input."""
+    if callable(constraints) or isinstance(constraints, rule.ConstraintSpec):
+        constraints = [constraints]
+    if not isinstance(constraints, (list, tuple)) or not constraints:
+        raise ValueError(
+            f"{_OWNER}: `constraints` must be a non-empty list of "
+            "Inequality(fn) / Equality(fn) specs. Received: "
+            f"constraints={constraints!r}")
+    specs = []
+    for i, c in enumerate(constraints):
+        if isinstance(c, rule.ConstraintSpec):
+            specs.append(c)
+        elif isinstance(c, tuple) and len(c) == 2:
+            fn, kind = c
+            if kind not in rule.KINDS:
+                raise ValueError(
+                    f"{_OWNER}: the kind of `constraints[{i}]` must be one of "
+                    f"{rule.KINDS}. Received: {kind!r}")
+            if not callable(fn):
+                raise TypeError(
+                    f"{_OWNER}: `constraints[{i}]` must hold a callable. "
+                    f"Received: {fn!r}")
+            specs.append(rule.ConstraintSpec(fn, kind))
+        elif callable(c):
+            raise TypeError(
+                f"{_OWNER}: `constraints[{i}]` is a bare callable; say its "
+                "kind: Inequality(fn) for fn(...) <= 0 or Equality(fn) for "
+                f"fn(...) == 0. Received: {c!r}")
+        else:
+            raise TypeError(
+                f"{_OWNER}: `constraints[{i}]` must be Inequality(fn), "
+                f"Equality(fn) or a (fn, kind) pair. Received: {c!r}")
+    if isinstance(dual_every, bool) or not isinstance(dual_every, int) or dual_every < 1:
+        raise ValueError(f"{_OWNER}: `dual_every` must be an integer >= 1 "
+                         f"(optimizer steps per dual update). Received: "
+                         f"dual_every={dual_every!r}")
+    _number("initial_penalty", initial_penalty, lambda v: v >= 0,
+            "a finite number >= 0")
+    _number("growth", growth, lambda v: v > 1, "a finite number > 1")
+    _number("max_penalty", max_penalty, lambda v: v >= initial_penalty,
+            f"a finite number >= initial_penalty ({initial_penalty})")
+    _number("decrease", decrease, lambda v: 0 < v < 1, "a number in (0, 1)")
+    _number("tolerance", tolerance, lambda v: v >= 0, "a finite number >= 0")
+    return specs
+
+
+def wrong_optimizer(optimizer, flavour):
+    other = "tf_keras" if flavour == "keras3" else "keras3"
+    base = ("keras.optimizers.Optimizer (Keras 3)" if flavour == "keras3"
+            else "tf_keras.optimizers.Optimizer")
+    kind = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
+    return (f"{_OWNER} (tf_gradkit.{flavour}): `optimizer` must be a {base}. "
+            f"Received: optimizer={kind}. For an optimizer of the other "
+            f"flavour use tf_gradkit.{other}.{_OWNER}.")
+
+
+def loss_scale_inner():
+    return (f"{_OWNER}: `optimizer` must not be a LossScaleOptimizer; wrap the "
+            f"{_OWNER} in one instead (LossScaleOptimizer({_OWNER}(inner, "
+            "constraints))), so that it sees unscaled gradients.")
+
+
+def wrong_model(model, accepted):
+    return (f"{_OWNER}: `model` must be a {accepted}. Received: "
+            f"model={type(model).__module__}.{type(model).__name__}")
+
+
+def unexpected_kwargs(kwargs):
+    return (f"{_OWNER}: unexpected arguments {sorted(kwargs)}; accepted are "
+            "optimizer, constraints, model, dual_every, initial_penalty, "
+            "growth, max_penalty, decrease, tolerance, name. Set learning rate, clipping "
+            "and weight decay on the inner optimizer.")
+
+
+def _replicas():
+    if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
+        return tf.distribute.get_strategy().num_replicas_in_sync
+    return 1
+
+
+# -------------------------------------------------------------- model hooks
+class TrainStepHooks:
+    """Wraps ``train_step`` and ``compute_loss`` of one model instance."""
+
+    _ATTR = "_tf_gradkit_lagrangian_hooks"
+
+    def __init__(self, model):
+        self._local = threading.local()
+        self._optimizer_ref = None
+        self._model_ref = weakref.ref(model)
+
+    @classmethod
+    def install(cls, model, optimizer):
+        hooks = model.__dict__.get(cls._ATTR)
+        if hooks is None:
+            hooks = cls(model)
+            hooks._wrap(model)
+            object.__setattr__(model, cls._ATTR, hooks)
+        hooks._optimizer_ref = weakref.ref(optimizer)
+        return hooks
+
+    def _optimizer(self):
+        """The optimizer, if the model still trains with it."""
+        optimizer = self._optimizer_ref() if self._optimizer_ref else None
+        model = self._model_ref()
+        if optimizer is None or model is None:
+            return None
+        # Keras 3 may hold it inside a LossScaleOptimizer.
+        current = getattr(model, "optimizer", None)
+        for _ in range(3):
+            if current is optimizer:
+                return optimizer
+            current = getattr(current, "inner_optimizer", None)
+        return None
+
+    def _wrap(self, model):
+        hooks = self
+        original_train_step = model.train_step
+        original_compute_loss = model.compute_loss
+        signature = inspect.signature(original_compute_loss)
+
+        @functools.wraps(original_train_step)
+        def train_step(data):
+            hooks._local.active = True
+            try:
+                logs = original_train_step(data)
+            finally:
+                hooks._local.active = False
+            optimizer = hooks._optimizer()
+            if optimizer is not None and isinstance(logs, Mapping):
+                logs = dict(logs)
+                logs.update(optimizer.train_logs())
+            return logs
+
+        @functools.wraps(original_compute_loss)
+        def compute_loss(*args, **kwargs):
+            loss = original_compute_loss(*args, **kwargs)
+            optimizer = hooks._optimizer()
+            if not getattr(hooks._local, "active", False) or optimizer is None:
+                return loss
+            arguments = signature.bind(*args, **kwargs).arguments
+            batch = (arguments.get("x"), arguments.get("y"),
+                     arguments.get("sample_weight"))
+            return optimizer.lagrangian_loss(loss, arguments.get("y_pred"), batch)
+
+        object.__setattr__(model, "train_step", train_step)
+        object.__setattr__(model, "compute_loss", compute_loss)
+
+
+# ------------------------------------------------------------------- mixin
+class AugmentedLagrangianMixin:
+    """The flavour-independent half of ``AugmentedLagrangian``.
+
+    Adapters provide ``_KERAS``, ``_make_variable(shape, dtype, name,
+    initial)`` returning a ``tf.Variable`` (tracked by the optimizer) and
+    ``_inner_apply(grads, variables)``.
+    """
+
+    _KERAS = None
+
+    def _init_lagrangian(self, optimizer, specs, model, dual_every,
+                         initial_penalty, growth, max_penalty, decrease,
+                         tolerance):
+        self.inner_optimizer = optimizer
+        self._specs = list(specs)
+        self.dual_every = dual_every
+        self.initial_penalty = float(initial_penalty)
+        self.growth = float(growth)
+        self.max_penalty = float(max_penalty)
+        self.decrease = float(decrease)
+        self.tolerance = float(tolerance)
+        self._outputs_recorded = False
+        self._lagrangian_built = False
+        if model is not None:
+            TrainStepHooks.install(model, self)
+
+    @property
+    def constraint_specs(self):
+        return list(self._specs)
+
+    @property
+    def _kinds(self):
+        return [c.kind for c in self._specs]
+
+    @tf.autograph.experimental.do_not_convert
+    def _build_lagrangian(self):
+        """Creates the state variables (eagerly, once)."""
+        if self._lagrangian_built:
+            return
+        with tf.init_scope():
+            shapes = []
+            for i, c in enumerate(self._specs):
+                if c.shape is None:
+                    c.shape = tf.convert_to_tensor(c.fn()).shape
+                if not c.shape.is_fully_defined():
+                    raise ValueError(
+                        f"{_OWNER}: constraint {c.name!r} (constraints[{i}]) "
+                        f"has no fixed shape ({c.shape}); pass shape=.")
+                shapes.append(c.shape)
+            init = rule.init_augmented_lagrangian(shapes, self.initial_penalty)
+            tag = lambda i: f"{i}_{_safe(self._specs[i].name)}"
+            make = self._make_variable
+            self._state_vars = rule.AugmentedLagrangianState(
+                multipliers=[make(s, tf.float32, f"multiplier_{tag(i)}", v)
+                             for i, (s, v) in enumerate(zip(shapes, init.multipliers))],
+                penalty=make((), tf.float32, "penalty", init.penalty),
+                reference_residual=make((), tf.float32, "reference_residual",
+                                        init.reference_residual),
+                window_sums=[make(s, tf.float32, f"window_sum_{tag(i)}", v)
+                             for i, (s, v) in enumerate(zip(shapes, init.window_sums))],
+                window_steps=make((), tf.float32, "window_steps", init.window_steps),
+                dual_updates=make((), tf.int64, "dual_updates", init.dual_updates))
+            self._values = [make(s, tf.float32, f"constraint_value_{tag(i)}",
+                                 tf.zeros(s)) for i, s in enumerate(shapes)]
+        self._lagrangian_built = True
+
+    # ------------------------------------------------------------ the loss
+    @tf.autograph.experimental.do_not_convert
+    def lagrangian_loss(self, loss, y_pred=None, batch=None):
+        """``loss`` plus the augmented terms of the output constraints.
+
+        Call inside the ``GradientTape`` of a custom loop, once per step
+        (``fit`` does this itself when ``model=`` was passed). Constraints of
+        the form ``fn()`` are not added here: ``apply`` adds their gradient.
+
+        Args:
+          loss: the model loss (scalar tensor).
+          y_pred: the model output, passed to each ``fn(y_pred, batch)``.
+          batch: anything the constraints need from the batch.
+
+        Returns:
+          ``loss`` plus the terms, in ``loss``'s dtype (divided by the number
+          of replicas in a replica context, as Keras scales losses).
+        """
+        outputs = [i for i, c in enumerate(self._specs) if c.takes_outputs]
+        if not outputs:
+            return loss
+        if y_pred is None:
+            names = [self._specs[i].name for i in outputs]
+            raise ValueError(
+                f"{_OWNER}.lagrangian_loss: constraints {names} take "
+                "(y_pred, batch); pass y_pred= (and batch=).")
+        self._build_lagrangian()
+        values = [self._specs[i].fn(y_pred, batch) for i in outputs]
+        replicas = _replicas()
+        for i, v in zip(outputs, values):
+            recorded = tf.stop_gradient(tf.cast(v, tf.float32))
+            if replicas > 1:
+                recorded = tf.distribute.get_replica_context().all_reduce(
+                    tf.distribute.ReduceOp.MEAN, recorded)
+            self._values[i].assign(tf.reshape(recorded, self._values[i].shape))
+        self._outputs_recorded = True
+        terms = rule.augmented_terms(
+            values, [self._specs[i].kind for i in outputs],
+            [self._state_vars.multipliers[i] for i in outputs],
+            self._state_vars.penalty)
+        loss = tf.convert_to_tensor(loss)
+        return loss + tf.cast(terms / replicas, loss.dtype)
+
+    # -------------------------------------------------------------- a step
+    @tf.autograph.experimental.do_not_convert
+    def _lagrangian_apply(self, grads, variables):
+        """Adds the ``fn()`` terms' gradient, steps the inner optimizer, then
+        records the constraint values and runs the dual schedule."""
+        grads, variables = list(grads), list(variables)
+        if len(grads) != len(variables):
+            raise ValueError(f"{_OWNER}.apply: got {len(grads)} gradients for "
+                             f"{len(variables)} variables.")
+        self._build_lagrangian()
+        if any(c.takes_outputs for c in self._specs) and not self._outputs_recorded:
+            names = [c.name for c in self._specs if c.takes_outputs]
+            raise ValueError(
+                f"{_OWNER}: constraints {names} depend on model outputs but no "
+                "train step evaluated them: pass model= to the optimizer for "
+                "model.fit, or call optimizer.lagrangian_loss(loss, y_pred, "
+                "batch) inside your GradientTape.")
+        closure = [i for i, c in enumerate(self._specs) if not c.takes_outputs]
+        if closure:
+            with tf.GradientTape() as tape:
+                values = [self._specs[i].fn() for i in closure]
+                terms = rule.augmented_terms(
+                    values, [self._specs[i].kind for i in closure],
+                    [self._state_vars.multipliers[i] for i in closure],
+                    self._state_vars.penalty)
+            extra = tape.gradient(terms, variables)
+            grads = [_add(g, e, v, _replicas()) for g, e, v in zip(grads, extra, variables)]
+            for i, v in zip(closure, values):
+                self._values[i].assign(tf.reshape(
+                    tf.stop_gradient(tf.cast(v, tf.float32)), self._values[i].shape))
+        pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
+        if pairs:
+            self._inner_apply([g for g, _ in pairs], [v for _, v in pairs])
+        state = rule.observe(
+            [v.read_value() for v in self._values], self._kinds, self._state_vars,
+            self.dual_every, self.growth, self.max_penalty, self.decrease,
+            self.tolerance)
+        tf.nest.map_structure(lambda var, new: var.assign(new),
+                              tuple(self._state_vars), tuple(state))
+
+    # ------------------------------------------------------------ reporting
+    @property
+    def multipliers(self):
+        """One variable per constraint, shaped like its value."""
+        self._build_lagrangian()
+        return list(self._state_vars.multipliers)
+
+    @property
+    def penalty(self):
+        self._build_lagrangian()
+        return self._state_vars.penalty
+
+    @property
+    def constraint_values(self):
+        """The values of the last step (closures: before its update)."""
+        self._build_lagrangian()
+        return list(self._values)
+
+    def metrics(self):
+        """A dict of tensors: ``lagrange_violation`` (``max(g+, |h|)`` of the
+        last step), ``dual_residual``, ``penalty``, ``dual_updates`` and
+        ``multipliers/<name>`` per constraint."""
+        self._build_lagrangian()
+        values = [v.read_value() for v in self._values]
+        out = {
+            "lagrange_violation": rule.feasibility_violation(values, self._kinds),
+            "dual_residual": rule.dual_residual(
+                values, self._kinds, self._state_vars.multipliers,
+                self._state_vars.penalty),
+            "penalty": self._state_vars.penalty.read_value(),
+            "dual_updates": self._state_vars.dual_updates.read_value(),
+        }
+        for i, (c, m) in enumerate(zip(self._specs, self._state_vars.multipliers)):
+            key = f"multipliers/{c.name}"
+            out[key if key not in out else f"{key}_{i}"] = m.read_value()
+        return out
+
+    def train_logs(self):
+        """What the ``fit`` hook adds to the logs (scalars)."""
+        metrics = self.metrics()
+        return {"lagrange_violation": metrics["lagrange_violation"],
+                "penalty": metrics["penalty"]}
+
+    # ------------------------------------------------------- delegation
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "optimizer": self._KERAS.optimizers.serialize(self.inner_optimizer),
+            "constraints": [{"name": c.name, "kind": c.kind,
+                             "takes_outputs": c.takes_outputs,
+                             "shape": None if c.shape is None else c.shape.as_list()}
+                            for c in self._specs],
+            "dual_every": self.dual_every,
+            "initial_penalty": self.initial_penalty,
+            "growth": self.growth,
+            "max_penalty": self.max_penalty,
+            "decrease": self.decrease,
+            "tolerance": self.tolerance,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None, constraints=None):
+        """Rebuilds the optimizer; the callables must be passed again as
+        ``constraints`` (they are not serialised)."""
+        config = dict(config)
+        recorded = config.pop("constraints", [])
+        if constraints is None:
+            raise ValueError(
+                f"{_OWNER}.from_config: constraint callables are not "
+                f"serialised; pass them again: from_config(config, "
+                f"constraints=[...]) for {[c['name'] for c in recorded]}.")
+        inner = cls._KERAS.optimizers.deserialize(
+            config.pop("optimizer"), custom_objects=custom_objects)
+        return cls(inner, constraints, **config)
+
+
+def _add(grad, extra, variable, replicas):
+    if extra is None:
+        return grad
+    extra = tf.cast(extra, variable.dtype)
+    if replicas > 1:
+        extra = extra / replicas
+    if grad is None:
+        return extra
+    if isinstance(extra, tf.IndexedSlices):
+        extra = tf.convert_to_tensor(extra)
+    return tf.convert_to_tensor(grad) + extra
+
+
+def _safe(name):
+    return "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in str(name))

@@ -1,0 +1,91 @@
+"""AugmentedLagrangian for Keras 3: the thin adapter.
+
+The behaviour is in `tf_gradkit._augmented_lagrangian_common` and the rule in
+`tf_gradkit.core.augmented_lagrangian`; this file holds only what Keras 3 does
+differently: its Variable class, `apply(grads, vars)` and its serialisation.
+`Inequality`, `Equality` and `ConstraintSpec` are re-exported from the core.
+"""
+
+import contextlib
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_gradkit import _augmented_lagrangian_common as common
+from tf_gradkit.core.augmented_lagrangian import ConstraintSpec
+from tf_gradkit.core.augmented_lagrangian import Equality
+from tf_gradkit.core.augmented_lagrangian import Inequality
+
+__all__ = ["AugmentedLagrangian", "ConstraintSpec", "Equality", "Inequality"]
+
+
+@keras.saving.register_keras_serializable(package="tf_gradkit")
+class AugmentedLagrangian(common.AugmentedLagrangianMixin, keras.optimizers.Optimizer):
+    _KERAS = keras
+    __doc__ = common.AUGMENTED_LAGRANGIAN.format(flavour="Keras 3", K="keras")
+
+    def __init__(self, optimizer, constraints, model=None, dual_every=20,
+                 initial_penalty=1.0, growth=10.0, max_penalty=1e3,
+                 decrease=0.25, tolerance=1e-6, name=None, **kwargs):
+        if kwargs:
+            raise TypeError(common.unexpected_kwargs(kwargs))
+        specs = common.validate_arguments(constraints, dual_every, initial_penalty,
+                                          growth, max_penalty, decrease,
+                                          tolerance)
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            raise TypeError(common.loss_scale_inner())
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise TypeError(common.wrong_optimizer(optimizer, "keras3"))
+        if model is not None and not isinstance(model, keras.Model):
+            raise TypeError(common.wrong_model(model, "keras.Model (Keras 3)"))
+        super().__init__(learning_rate=0.0, name=name or "augmented_lagrangian")
+        self._init_lagrangian(optimizer, specs, model, dual_every,
+                              initial_penalty, growth, max_penalty, decrease,
+                                          tolerance)
+
+    def _make_variable(self, shape, dtype, name, initial):
+        var = keras.Variable(
+            initializer=np.asarray(initial, dtype=tf.as_dtype(dtype).as_numpy_dtype),
+            shape=tuple(shape), dtype=tf.as_dtype(dtype).name, trainable=False,
+            synchronization="on_read", aggregation="only_first_replica",
+            name=name)
+        self._track_variable(var)
+        return var.value  # the tf.Variable: the core speaks plain TensorFlow
+
+    def build(self, var_list):
+        if self.built:
+            return
+        var_list = list(var_list)
+        if not self.inner_optimizer.built:
+            self.inner_optimizer.build(var_list)
+        scope = (contextlib.nullcontext() if tf.distribute.has_strategy()
+                 else self._distribution_strategy.scope())
+        with scope:
+            self._build_lagrangian()
+        super().build(var_list)
+
+    @property
+    def variables(self):
+        return self._variables[:] + self.inner_optimizer.variables
+
+    def apply_gradients(self, grads_and_vars):
+        grads, variables = zip(*grads_and_vars)
+        self.apply(grads, variables)
+        return self.iterations
+
+    def apply(self, grads, trainable_variables=None):
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    "AugmentedLagrangian.apply: pass `trainable_variables` on "
+                    "the first call, or call `build(variables)` first.")
+            trainable_variables = self._trainable_variables
+        trainable_variables = list(trainable_variables)
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+        self._lagrangian_apply(grads, trainable_variables)
+
+    def _inner_apply(self, grads, variables):
+        self.inner_optimizer.apply(grads, variables)

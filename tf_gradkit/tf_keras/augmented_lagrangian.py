@@ -1,0 +1,95 @@
+"""AugmentedLagrangian for tf_keras (Keras 2 line): the thin adapter.
+
+Only what tf_keras does differently lives here: plain ``tf.Variable`` state in
+``_variables``, ``apply_gradients(grads_and_vars)`` (which ``minimize`` and
+``model.fit`` call) and its serialisation. Legacy
+``tf_keras.optimizers.legacy`` optimizers are not accepted.
+`Inequality`, `Equality` and `ConstraintSpec` are re-exported from the core.
+"""
+
+import contextlib
+
+import tensorflow as tf
+import tf_keras
+
+from tf_gradkit import _augmented_lagrangian_common as common
+from tf_gradkit.core.augmented_lagrangian import ConstraintSpec
+from tf_gradkit.core.augmented_lagrangian import Equality
+from tf_gradkit.core.augmented_lagrangian import Inequality
+
+__all__ = ["AugmentedLagrangian", "ConstraintSpec", "Equality", "Inequality"]
+
+_LossScaleOptimizer = tf_keras.mixed_precision.LossScaleOptimizer
+
+
+@tf_keras.saving.register_keras_serializable(package="tf_gradkit")
+class AugmentedLagrangian(common.AugmentedLagrangianMixin, tf_keras.optimizers.Optimizer):
+    _KERAS = tf_keras
+    __doc__ = common.AUGMENTED_LAGRANGIAN.format(flavour="tf_keras", K="tf_keras")
+
+    def __init__(self, optimizer, constraints, model=None, dual_every=20,
+                 initial_penalty=1.0, growth=10.0, max_penalty=1e3,
+                 decrease=0.25, tolerance=1e-6, name=None, **kwargs):
+        if kwargs:
+            raise TypeError(common.unexpected_kwargs(kwargs))
+        specs = common.validate_arguments(constraints, dual_every, initial_penalty,
+                                          growth, max_penalty, decrease,
+                                          tolerance)
+        if isinstance(optimizer, _LossScaleOptimizer):
+            raise TypeError(common.loss_scale_inner())
+        if not isinstance(optimizer, tf_keras.optimizers.Optimizer):
+            raise TypeError(common.wrong_optimizer(optimizer, "tf_keras"))
+        if model is not None and not isinstance(model, tf_keras.Model):
+            raise TypeError(common.wrong_model(model, "tf_keras.Model"))
+        super().__init__(name=name or "augmented_lagrangian")
+        self._init_lagrangian(optimizer, specs, model, dual_every,
+                              initial_penalty, growth, max_penalty, decrease,
+                                          tolerance)
+
+    def _make_variable(self, shape, dtype, name, initial):
+        scope = (contextlib.nullcontext() if tf.distribute.has_strategy()
+                 else self._distribution_strategy.scope())
+        with scope:
+            var = tf.Variable(
+                tf.cast(tf.broadcast_to(initial, shape), dtype), trainable=False,
+                name=name, synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        self._variables.append(var)
+        return var
+
+    def build(self, var_list):
+        super().build(var_list)
+        if getattr(self, "_built", False):
+            return
+        var_list = list(var_list)
+        self.inner_optimizer.build(var_list)  # idempotent in tf_keras
+        self._trainable_variables = var_list
+        self._build_lagrangian()
+        self._built = True
+
+    @property
+    def variables(self):
+        return tf_keras.src.optimizers.optimizer.CallableList(
+            list(self._variables) + list(self.inner_optimizer.variables))
+
+    def compute_gradients(self, loss, var_list, tape=None):
+        return self.inner_optimizer.compute_gradients(loss, var_list, tape=tape)
+
+    def apply_gradients(self, grads_and_vars, name=None,
+                        skip_gradients_aggregation=False, **kwargs):
+        del name, skip_gradients_aggregation, kwargs  # the inner one aggregates
+        grads_and_vars = list(grads_and_vars)
+        if not grads_and_vars:
+            return self.iterations
+        grads, variables = zip(*grads_and_vars)
+        with tf.init_scope():
+            self.build(variables)
+        self._lagrangian_apply(grads, variables)
+        return self.iterations
+
+    def _inner_apply(self, grads, variables):
+        self.inner_optimizer.apply_gradients(zip(grads, variables))
+
+    @common.AugmentedLagrangianMixin.iterations.setter
+    def iterations(self, variable):
+        self.inner_optimizer.iterations = variable
