@@ -1,0 +1,306 @@
+"""MaskAware: an optimizer wrapper that keeps pruned weights and their
+optimizer state exactly zero after every update (tf_keras only)."""
+
+import tensorflow as tf
+import tf_keras
+
+from tf_gradkit.pruning import _masks
+
+_WHO = "MaskAware"
+
+
+def mask_gradient(grad, mask):
+    """``grad * mask`` for a dense gradient or ``tf.IndexedSlices``."""
+    if grad is None:
+        return None
+    if isinstance(grad, tf.IndexedSlices):
+        rows = tf.gather(tf.cast(mask, grad.values.dtype), grad.indices)
+        return tf.IndexedSlices(grad.values * rows, grad.indices, grad.dense_shape)
+    return grad * tf.cast(mask, grad.dtype)
+
+
+def _multiply_in_place(variable, mask):
+    value = variable.read_value()
+    return variable.assign(value * tf.cast(mask, value.dtype), read_value=False)
+
+
+@tf_keras.saving.register_keras_serializable(package="tf_gradkit")
+class MaskAware(tf_keras.optimizers.Optimizer):
+    """Applies the wrapped optimizer through pruning masks (tf_keras).
+
+    tfmot's ``PruneLowMagnitude`` re-applies its masks to the weights before
+    each forward pass and at epoch end, so between those moments the weights
+    an optimizer step just moved are non-zero, and the optimizer's moments
+    (Adam's ``m`` and ``v``, SGD's momentum) fill up on every pruned entry. A
+    checkpoint taken mid-epoch, a run stopped after ``steps_per_epoch`` or a
+    custom loop keep those values; ``strip_pruning`` then exports a model
+    that is not as sparse as its masks say.
+
+    ``MaskAware`` makes every update go through the current mask ``M``::
+
+        g <- g * M;  inner.apply_gradients(g);  w <- w * M;  s <- s * M
+
+    for each pruned weight ``w`` and each of its per-entry slots ``s`` in the
+    inner optimizer, so after every single step the pruned entries of the
+    weights and of their optimizer state are exactly zero. Because the
+    current mask multiplies everything on every step, entries that a pruning
+    schedule newly prunes lose their state at the next update; entries it
+    revives (masks never revive in tfmot's schedules) restart from zero.
+
+    Slots: an inner-optimizer variable is a slot of weight ``v`` when it has
+    ``v``'s shape and the name tf_keras gives variables made by
+    ``add_variable_from_reference(v, prefix)``: ``<prefix>/<v's name>``
+    (Adam, SGD momentum, RMSprop, Adagrad, Lion, EMA averages). Variables made
+    otherwise, such as Adafactor's factored statistics or
+    ``GradientAccumulator``'s gradient sums, are left alone.
+
+    Cost per update: one multiply of each pruned weight's gradient, and one
+    fused multiply-assign per pruned weight and per slot, done only when the
+    inner optimizer really updated (its ``iterations`` moved).
+
+    With ``tf_gradkit.tf_keras.GradientAccumulator`` both orders are exact:
+    ``GradientAccumulator(MaskAware(Adam))`` (recommended: masks are applied
+    once per real update) and ``MaskAware(GradientAccumulator(Adam))``
+    (gradients are masked per micro-batch, weights and slots per real
+    update). ``iterations`` counts real updates either way.
+
+    Inner optimizers that can restrict themselves to the mask's support (a
+    projection, Levenberg-Marquardt dropping pruned Jacobian columns) expose
+    ``set_support_masks(fn)``; every optimizer in the wrapped chain that has
+    it is handed ``self.support_mask`` at construction.
+
+    Args:
+      optimizer: the tf_keras optimizer to wrap (``tf_keras.optimizers.*``,
+        a ``tf_gradkit.tf_keras`` wrapper, or a ``LossScaleOptimizer``).
+      model: a tf_keras model pruned with
+        ``tfmot.sparsity.keras.prune_low_magnitude``; the masks of its
+        ``PruneLowMagnitude`` layers (``pruning_vars``) are read at every
+        step, so schedule changes are followed.
+      masks: alternatively (or in addition), ``{variable.ref(): mask}`` or a
+        list of ``(variable, mask)`` pairs; each mask a 0/1 or bool tensor or
+        array, or a ``tf.Variable`` mask that you update yourself (read at
+        every step).
+      name: optional name.
+
+    Raises:
+      TypeError: a Keras 3 model or optimizer, or a wrong argument type.
+      ValueError: neither masks nor a pruned model, or a mask whose shape
+        differs from its variable's.
+
+    Example:
+
+    >>> pruned = tfmot.sparsity.keras.prune_low_magnitude(model, schedule)
+    >>> opt = MaskAware(tf_keras.optimizers.Adam(1e-3), model=pruned)
+    >>> pruned.compile(optimizer=opt, loss="mse")
+    >>> pruned.fit(x, y, callbacks=[UpdatePruningStepFromOptimizer()])
+    """
+
+    def __init__(self, optimizer, model=None, masks=None, name=None, **kwargs):
+        if kwargs:
+            raise TypeError(
+                f"{_WHO}: unexpected arguments {sorted(kwargs)}; accepted are "
+                "optimizer, model, masks, name. Set learning rate, clipping "
+                "and weight decay on the inner optimizer.")
+        _masks.check_optimizer(optimizer, _WHO)
+        if model is None and masks is None:
+            raise ValueError(
+                f"{_WHO}: pass `model=` (a tf_keras model pruned with "
+                "tfmot.sparsity.keras.prune_low_magnitude) or `masks=` "
+                "({variable.ref(): 0/1 tensor}). Received neither.")
+        wrappers = [] if model is None else _masks.check_model(
+            model, _WHO, masks_given=masks is not None)
+        explicit = [] if masks is None else _masks.check_masks(masks, _WHO)
+        self._init_wrapper(optimizer, name)
+        self._attach(wrappers, explicit)
+
+    def _init_wrapper(self, optimizer, name):
+        super().__init__(name=name or "mask_aware")
+        self._variables = []  # no state of its own: `variables` is the inner's
+        self.inner_optimizer = optimizer
+        self._wrappers = self._no_dependency([])
+        self._explicit = self._no_dependency([])
+        self._by_key = None
+        self._targets = self._no_dependency([])
+
+    def _attach(self, wrappers, explicit):
+        self._wrappers = self._no_dependency(list(wrappers))
+        self._explicit = self._no_dependency(list(explicit))
+        self._by_key = None
+        for optimizer in _masks.optimizer_chain(self.inner_optimizer):
+            hook = getattr(optimizer, "set_support_masks", None)
+            if callable(hook):
+                hook(self.support_mask)
+
+    def attach(self, model=None, masks=None):
+        """Gives a MaskAware made by ``from_config`` its masks (same
+        arguments as the constructor's); must precede the first update."""
+        if model is None and masks is None:
+            raise ValueError(f"{_WHO}.attach: pass `model=` or `masks=`.")
+        if getattr(self, "_built", False):
+            raise ValueError(f"{_WHO}.attach: already built; attach before "
+                             "the first update.")
+        wrappers = [] if model is None else _masks.check_model(
+            model, _WHO, masks_given=masks is not None)
+        explicit = [] if masks is None else _masks.check_masks(masks, _WHO)
+        self._attach(wrappers, explicit)
+
+    # ------------------------------------------------------------------ masks
+    def _mask_table(self):
+        """``{var_key: (variable, mask)}``; wrappers' masks appear once built."""
+        if self._by_key is None:
+            pairs = _masks.wrapper_masks(self._wrappers) + self._explicit
+            if not pairs:
+                if not self._wrappers:
+                    raise ValueError(
+                        f"{_WHO} has no masks: it was made by `from_config`; "
+                        "call `attach(model=...)` or `attach(masks=...)` "
+                        "before training.")
+                return {}  # wrappers not built yet: nothing to mask so far
+            table = {}
+            for variable, mask in pairs:
+                table[self._var_key(variable)] = (variable, mask)
+            self._by_key = self._no_dependency(table)
+        return self._by_key
+
+    def support_mask(self, variable):
+        """The current mask of ``variable`` in its dtype, or None if unmasked.
+
+        The interoperation hook: optimizers that restrict their step to the
+        weights' support call it (see ``set_support_masks``).
+        """
+        entry = self._mask_table().get(self._var_key(variable))
+        if entry is None:
+            return None
+        return tf.cast(entry[1], variable.dtype)
+
+    # ------------------------------------------------------------------ build
+    def build(self, var_list):
+        super().build(var_list)
+        if getattr(self, "_built", False):
+            return
+        var_list = list(var_list)
+        self.inner_optimizer.build(var_list)
+        table = self._mask_table()
+        slots = _masks.slots_by_variable(
+            self.inner_optimizer.variables, var_list, self._var_key)
+        self._targets = self._no_dependency([
+            (table[key][0], table[key][1], slots[key])
+            for key in (self._var_key(v) for v in var_list) if key in table])
+        self._built = True
+
+    @property
+    def variables(self):
+        return tf_keras.src.optimizers.optimizer.CallableList(
+            list(self._variables) + list(self.inner_optimizer.variables))
+
+    # ----------------------------------------------------------------- update
+    def compute_gradients(self, loss, var_list, tape=None):
+        # The inner one (a LossScaleOptimizer scales the loss here).
+        return self.inner_optimizer.compute_gradients(loss, var_list, tape=tape)
+
+    def apply_gradients(self, grads_and_vars, name=None,
+                        skip_gradients_aggregation=False, **kwargs):
+        pairs = list(grads_and_vars)
+        if not pairs:
+            return self.iterations
+        with tf.init_scope():
+            self.build([v for _, v in pairs])
+        table = self._mask_table()
+        masked = []
+        for grad, variable in pairs:
+            entry = table.get(self._var_key(variable))
+            masked.append((grad if entry is None else mask_gradient(grad, entry[1]),
+                           variable))
+        if name is not None:
+            kwargs["name"] = name
+        if skip_gradients_aggregation:
+            kwargs["skip_gradients_aggregation"] = True
+        before = tf.identity(self.iterations)
+        self.inner_optimizer.apply_gradients(masked, **kwargs)
+        self._mask_state_if(tf.not_equal(self.iterations, before))
+        return self.iterations
+
+    def _mask_state_if(self, updated):
+        """Masks weights and slots, if the inner optimizer really updated."""
+        if tf.distribute.has_strategy():
+            self.mask_state()  # merge calls cannot sit in a tf.cond branch
+        elif tf.executing_eagerly():
+            if bool(updated):
+                self.mask_state()
+        else:
+            def apply():
+                self.mask_state()
+                return tf.constant(True)
+            tf.cond(updated, apply, lambda: tf.constant(False))
+
+    def mask_state(self):
+        """``w <- w * M`` and ``s <- s * M`` for every masked weight and slot.
+
+        Done by ``apply_gradients`` after each real update; call it yourself
+        after changing masks outside training, or after ``minimize`` of an
+        optimizer that bypasses ``apply_gradients``.
+        """
+        if not self._targets:
+            return
+
+        def mask_all(distribution):
+            for variable, mask, slots in self._targets:
+                for target in [variable] + list(slots):
+                    distribution.extended.update(
+                        target, _multiply_in_place, args=(mask,), group=False)
+
+        tf.__internal__.distribute.interim.maybe_merge_call(
+            mask_all, self._distribution_strategy)
+
+    def minimize(self, loss, var_list, tape=None):
+        """As the inner optimizer's; for optimizers that need residuals (like
+        LevenbergMarquardt), calls the inner ``minimize`` then masks."""
+        if not getattr(self.inner_optimizer, "needs_residuals", False):
+            return super().minimize(loss, var_list, tape=tape)
+        var_list = list(var_list() if callable(var_list) else var_list)
+        with tf.init_scope():
+            self.build(var_list)
+        result = self.inner_optimizer.minimize(loss, var_list)
+        self.mask_state()
+        return result
+
+    @property
+    def needs_residuals(self):
+        return getattr(self.inner_optimizer, "needs_residuals", False)
+
+    # ------------------------------------------------------------ delegation
+    @property
+    def iterations(self):
+        """The inner optimizer's: real updates (schedules, pruning steps)."""
+        return self.inner_optimizer.iterations
+
+    @iterations.setter
+    def iterations(self, variable):
+        self.inner_optimizer.iterations = variable
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+        self.mask_state()
+
+    def get_config(self):
+        # Masks are data of the model, not configuration: `attach` them after
+        # `from_config` (as GradientAccumulator's `model=` is not serialised).
+        return {"name": self.name,
+                "optimizer": tf_keras.optimizers.serialize(self.inner_optimizer)}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = tf_keras.optimizers.deserialize(
+            config.pop("optimizer"), custom_objects=custom_objects)
+        optimizer = cls.__new__(cls)
+        optimizer._init_wrapper(inner, config.pop("name", None))
+        return optimizer
