@@ -142,14 +142,63 @@ def run(model_name, mode, steps, repeats):
     return row
 
 
-def lm_dense_vs_pruned():
-    """--- RESERVED: Levenberg-Marquardt, dense vs pruned Jacobian timing. ---
+def lm_dense_vs_pruned(repeats=5, steps=5):
+    """Levenberg-Marquardt step time, dense vs 80% pruned (the same network).
 
-    To be added (LevenbergMarquardt inside MaskAware, which hands it
-    ``support_mask`` through ``set_support_masks`` so it can drop pruned
-    Jacobian columns). Return a list of markdown table lines.
+    The pruned run is ``MaskAware(LevenbergMarquardt())`` on a tfmot model whose
+    masks are already at 80% when the step is traced, so LM solves for the 20%
+    unpruned weights only (a 5x smaller Jacobian and damped system). Both runs
+    are ``tf.function(jit_compile=True)`` ``minimize`` steps on 1000 residuals,
+    interleaved.
     """
-    return []
+    from tf_gradkit import pruning
+    from tf_gradkit.tf_keras import LevenbergMarquardt
+
+    rng = np.random.RandomState(0)
+    x = tf.constant(rng.randn(1000, 8).astype("float32"))
+    y = tf.constant(np.tanh(x.numpy() @ rng.randn(8, 1)).astype("float32"))
+
+    def base():
+        model = tf_keras.Sequential([tf_keras.Input((8,)),
+                                     tf_keras.layers.Dense(48, activation="tanh"),
+                                     tf_keras.layers.Dense(48, activation="tanh"),
+                                     tf_keras.layers.Dense(1)])
+        model.set_weights([rng.randn(*w.shape).astype("float32") * 0.3
+                           for w in model.get_weights()])
+        return model
+
+    dense = base()
+    dense_lm = LevenbergMarquardt()
+    dense_step = tf.function(lambda: dense_lm.minimize(
+        lambda: dense(x, training=True) - y, dense.trainable_variables), jit_compile=True)
+
+    pruned = tfmot.sparsity.keras.prune_low_magnitude(
+        base(), pruning_schedule=tfmot.sparsity.keras.ConstantSparsity(0.8, 0, frequency=1))
+    lm = LevenbergMarquardt()
+    opt = pruning.MaskAware(lm, model=pruned)
+    pruning.PruningStepper(pruned, opt).before_step()
+    pruned(x[:1], training=True)  # tfmot computes its 80% masks
+    pruned_step = tf.function(lambda: opt.minimize(
+        lambda: pruned(x, training=True) - y, pruned.trainable_variables), jit_compile=True)
+
+    dense_step(), pruned_step()  # compile
+    times = {"dense": [], "pruned": []}
+    for _ in range(repeats):
+        for name, fn in (("dense", dense_step), ("pruned", pruned_step)):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                cost = fn()
+            float(cost)
+            times[name].append((time.perf_counter() - t0) / steps * 1e3)
+    d, p = float(np.median(times["dense"])), float(np.median(times["pruned"]))
+    n_dense = sum(int(np.prod(v.shape)) for v in dense.trainable_variables)
+    return [
+        "| LM step (jit, 1000 residuals, 8-48-48-1) | parameters solved for | ms/step |",
+        "|---|---|---|",
+        f"| dense | {n_dense} | {d:.1f} |",
+        f"| 80% pruned, MaskAware(LevenbergMarquardt) | {lm._step_support.size} | {p:.1f} |",
+        f"| speed-up dense / pruned | | {d / p:.2f}x |",
+    ]
 
 
 def main(argv=None):

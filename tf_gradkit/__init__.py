@@ -9,6 +9,9 @@ flavour is imported the first time one of its names is used.
 
 import importlib
 
+from tf_gradkit.core.augmented_lagrangian import ConstraintSpec
+from tf_gradkit.core.augmented_lagrangian import Equality
+from tf_gradkit.core.augmented_lagrangian import Inequality
 from tf_gradkit.core.conditional_accumulator import ConditionalAccumulator
 from tf_gradkit.core.lm.solve import LeastSquaresResult, least_squares
 
@@ -16,6 +19,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConditionalAccumulator",
+    "ConstraintSpec",
+    "Equality",
+    "Inequality",
     "LeastSquaresResult",
     "least_squares",
     "constraints",
@@ -23,11 +29,12 @@ __all__ = [
     "keras3",
     "layers",
     "optimizers",
+    "pruning",
     "tf_keras",
 ]
 
 _LAZY_SUBMODULES = ("constraints", "core", "keras3", "layers", "optimizers",
-                    "tf_keras")
+                    "pruning", "tf_keras")
 
 
 def __getattr__(name):

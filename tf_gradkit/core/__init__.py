@@ -7,6 +7,9 @@ from tf_gradkit.core.accumulation import all_finite
 from tf_gradkit.core.accumulation import init_accumulation
 from tf_gradkit.core.accumulation import window_gradients
 from tf_gradkit.core.conditional_accumulator import ConditionalAccumulator
+from tf_gradkit.core import augmented_lagrangian
+from tf_gradkit.core import frank_wolfe
+from tf_gradkit.core import matrix_projections
 from tf_gradkit.core import projections
 
 __all__ = [
@@ -17,5 +20,8 @@ __all__ = [
     "init_accumulation",
     "window_gradients",
     "ConditionalAccumulator",
+    "augmented_lagrangian",
+    "frank_wolfe",
+    "matrix_projections",
     "projections",
 ]

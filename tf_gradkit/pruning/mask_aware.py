@@ -171,7 +171,11 @@ class MaskAware(tf_keras.optimizers.Optimizer):
         entry = self._mask_table().get(self._var_key(variable))
         if entry is None:
             return None
-        return tf.cast(entry[1], variable.dtype)
+        mask = entry[1]
+        if isinstance(mask, tf.Variable) and mask.dtype == variable.dtype:
+            # The variable itself: LM reads its non-zero count when tracing.
+            return mask
+        return tf.cast(mask, variable.dtype)
 
     # ------------------------------------------------------------------ build
     def build(self, var_list):
