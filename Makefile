@@ -34,6 +34,9 @@ test: test-keras3 test-tf-keras
 	$(PY) examples/lm_curve_fit.py
 	$(PY) examples/lm_fit.py
 	$(PY) examples/conditional_accumulator.py
+	$(PY) examples/nmf.py
+	$(PY) examples/constrained_classifier.py
+	$(PY) examples/pruning_workflow.py
 
 test-slow: $(STAMP)
 	TF_USE_LEGACY_KERAS=0 $(PYTEST) -m slow
@@ -48,6 +51,9 @@ bench: $(STAMP)
 	$(PY) benchmarks/lm_sinc.py
 	$(PY) benchmarks/lm_memory.py
 	$(PY) benchmarks/nist_table.py
+	$(PY) benchmarks/constraints.py
+	$(PY) benchmarks/frank_wolfe.py
+	$(PY) benchmarks/pruning.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -93,3 +93,27 @@ def test_levenberg_marquardt_on_a_pruned_model(mode):
     for w, m in masks_of(model).values():
         assert np.all(w.numpy()[m.numpy() == 0] == 0.0)
     assert costs[-1] < costs[0]
+
+
+@pytest.mark.distributed
+def test_mask_aware_under_mirrored_strategy_equals_single_device(mirrored):
+    x, y = data(n=128)
+
+    def build():
+        model = pruned_mlp()
+        opt = pruning.MaskAware(tf_keras.optimizers.Adam(0.02), model=model)
+        model.compile(optimizer=opt, loss="mse")
+        return model
+
+    ref = build()
+    ref.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
+            callbacks=[pruning.UpdatePruningStepFromOptimizer()])
+    with mirrored.scope():
+        model = build()
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
+              callbacks=[pruning.UpdatePruningStepFromOptimizer()])
+    for w, m in masks_of(model).values():
+        assert np.all(w.numpy()[m.numpy() == 0] == 0.0)
+    # Two replicas sum half-batch gradients: float32 summation order only.
+    for a, b in zip(ref.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)

@@ -253,8 +253,15 @@ class MaskAware(tf_keras.optimizers.Optimizer):
                     distribution.extended.update(
                         target, _multiply_in_place, args=(mask,), group=False)
 
-        tf.__internal__.distribute.interim.maybe_merge_call(
-            mask_all, self._distribution_strategy)
+        if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
+            tf.distribute.get_replica_context().merge_call(mask_all)
+        elif tf.distribute.has_strategy():
+            mask_all(tf.distribute.get_strategy())
+        else:
+            # e.g. `finalize_variable_values` at the end of `fit`, outside the
+            # scope of the strategy the optimizer was created under.
+            with self._distribution_strategy.scope():
+                mask_all(self._distribution_strategy)
 
     def minimize(self, loss, var_list, tape=None):
         """As the inner optimizer's; for optimizers that need residuals (like
