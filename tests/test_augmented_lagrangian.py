@@ -337,7 +337,8 @@ def test_mirrored_strategy_fit_equals_single_device(K, gk, mirrored):
             opt = gk.AugmentedLagrangian(K.optimizers.SGD(0.05), specs, model=model,
                                          max_penalty=10.0, dual_every=4)
             model.compile(optimizer=opt, loss="mse")
-        model.fit(x, t, batch_size=32, epochs=30, shuffle=False, verbose=0)
+        model.fit(x, t, batch_size=32, epochs=15 if output_cap else 30,
+                  shuffle=False, verbose=0)
         return model, {k: float(v) for k, v in opt.metrics().items()}
 
     ref, ref_m = run(contextlib.nullcontext(), False)
@@ -353,6 +354,6 @@ def test_mirrored_strategy_fit_equals_single_device(K, gk, mirrored):
     model, _ = run(mirrored.scope(), True)
     means = [float(np.mean(m.predict(x, verbose=0))) for m in (single, model)]
     # Both head for the cap (unconstrained mean: 1.0); the per-replica
-    # estimate (16 rows vs 32) only changes the noise: measured 0.525 vs 0.511.
-    assert all(m < 0.55 for m in means)
+    # estimate (16 rows vs 32) only changes the noise.
+    assert all(m < 0.6 for m in means)
     assert abs(means[0] - means[1]) < 0.03

@@ -181,3 +181,138 @@ def projected_accumulator(flavour):
             "nothing. Wrap the other way round: "
             f"tf_gradkit.{flavour}.GradientAccumulator(Projected(optimizer, "
             "constraints), steps) projects after real updates only.")
+
+
+CONDITIONAL_GRADIENT = """Frank-Wolfe (conditional gradient) optimizer ({flavour}).
+
+    Keeps each variable inside a norm ball of radius ``lambda_`` without
+    projections: each step takes the point ``s`` of the ball that minimises
+    the linearised loss ``<g, s>`` (a linear minimisation oracle, LMO) and
+    moves towards it,
+
+        w <- (1 - learning_rate) * w + learning_rate * s.
+
+    A convex combination of feasible points is feasible, so a variable that
+    starts inside its ball (and ``0 <= learning_rate <= 1``) never leaves it.
+    For ``ord="fro"``, ``s = -lambda_ * g / (|g|_F + epsilon)``; for
+    ``ord="nuclear"``, ``s = -lambda_ * u1 v1^T`` with the top singular pair
+    of ``g`` (low-rank updates, low-rank iterates).
+    ``learning_rate = 2 / (t + 2)`` gives the classical ``O(1/t)``
+    convergence for smooth convex losses (Jaggi 2013).
+
+    Sets (``ord``), each a ball centred at 0 with radius ``r = lambda_``:
+      - ``"fro"``: ``|w|_F <= r`` (default, as in tensorflow-addons).
+      - ``"nuclear"``: sum of singular values ``<= r``. Tensors of rank > 2
+        (conv kernels) are seen as ``(prod(leading dims), last dim)``
+        matrices; rank < 2 (biases) use the ``"fro"`` oracle. The top singular
+        pair comes from ``power_iterations`` rounds of power iteration per
+        step, warm-started from the previous step's right singular vector (an
+        optimizer variable, checkpointed), never from a full SVD.
+      - ``"l1"``: ``sum |w_i| <= r`` (one nonzero per step: sparse iterates).
+      - ``"linf"``: ``max |w_i| <= r``.
+      - ``"k_sparse"``: ``|w|_inf <= r`` and ``|w|_1 <= k r`` (the hull of
+        k-sparse vectors; the LMO takes the ``k`` largest ``|g_i|``).
+
+    Sparse gradients (``tf.IndexedSlices``, from embeddings) are densified: the
+    step moves every entry of the variable, and the oracle needs the whole
+    gradient (duplicate indices summed).
+
+    Args:
+      learning_rate: the step size gamma in ``[0, 1]``: a float, or a
+        ``{K}.optimizers.schedules.LearningRateSchedule`` whose values lie in
+        ``[0, 1]``.
+      lambda_: the radius. A float for every variable, or a dict
+        ``{{regex: radius}}`` matched (``re.search``, first matching entry in
+        dict order) against each variable's {path_attr}; every pattern must
+        match some variable and every variable some pattern (add
+        ``".*": radius`` last as a default), else ``build`` raises ValueError.
+      epsilon: added to ``|g|_F`` in the ``"fro"`` oracle so a zero gradient
+        gives ``s = 0``.
+      ord: ``"fro"``, ``"nuclear"``, ``"l1"``, ``"linf"`` or ``"k_sparse"``.
+      k: entries per vertex for ``ord="k_sparse"`` (an integer >= 1);
+        must be None otherwise.
+      power_iterations: power-iteration rounds per step for ``"nuclear"``
+        (each two matrix-vector products), an integer >= 1.
+      name: optional name.
+      **kwargs: the base optimizer's ``clipnorm``, ``clipvalue``,
+        ``global_clipnorm``, ``use_ema``, ... .
+
+    Migrating from ``tfa.optimizers.ConditionalGradient``: same arguments and
+    the same radius; tensorflow-addons' ``learning_rate`` is the weight on the
+    *old* iterate (``w <- lr * w - (1 - lr) * lambda_ * g / |g|``), so pass
+    ``learning_rate = 1 - tfa_learning_rate`` to get identical updates.
+
+    Example:
+
+    >>> opt = ConditionalGradient(0.1, lambda_={{"kernel": 5.0, ".*": 1.0}},
+    ...                           ord="nuclear")
+    >>> model.compile(optimizer=opt, loss="mse")
+
+    Reference: M. Jaggi, "Revisiting Frank-Wolfe: Projection-free sparse
+    convex optimization", ICML 2013.
+    """
+
+
+AUGMENTED_LAGRANGIAN = """Soft constraints with multipliers: the PHR augmented Lagrangian ({flavour}).
+
+Wraps any optimizer (``inner``). The minimised objective is
+
+    loss + sum_ineq [lambda s + rho/2 s^2],  s = max(g, -lambda/rho)   (g <= 0)
+         + sum_eq   [lambda h + rho/2 h^2]                            (h == 0)
+
+elementwise over each constraint's value. Every ``dual_every`` optimizer steps
+the multipliers take a dual-ascent step with the constraint values averaged
+over those steps (``lambda <- max(0, lambda + rho g)``, ``lambda <- lambda +
+rho h``), and the penalty ``rho`` is multiplied by ``growth`` (capped at
+``max_penalty``) when the dual residual ``max(|s|, |h|)`` has not fallen below
+``decrease`` times its value at the previous dual update (ALGENCAN's rule;
+Birgin & Martinez 2014). Multipliers and penalty are non-trainable optimizer
+variables: checkpointed with the optimizer, updated inside the compiled step
+(eager, ``tf.function``, ``jit_compile=True``), readable with ``metrics()``.
+
+Unlike ``kernel_constraint=`` (a projection Keras applies after each update,
+exact but only for sets with a cheap projection), this handles any
+differentiable constraint, on weights or on model outputs, and is exact only
+at convergence.
+
+Args:
+  optimizer: the inner {K} optimizer taking the primal steps.
+  constraints: a list of ``Inequality(fn)`` / ``Equality(fn)`` specs (or
+    ``(fn, kind)`` pairs). ``fn()`` closes over variables and is handled by the
+    optimizer itself; ``fn(y_pred, batch)`` constrains model outputs (rates,
+    fairness) and enters through the loss: pass ``model=`` for ``fit`` or
+    call ``lagrangian_loss`` in a custom loop.
+  model: optional {K}.Model; its instance (not class) gets a ``train_step``
+    and ``compute_loss`` wrapper that adds output-constraint terms to the loss
+    in the train step's tape and ``lagrange_violation``, ``penalty`` to the
+    ``fit`` logs. ``batch`` is then ``(x, y, sample_weight)``.
+  dual_every: optimizer steps per dual update (the inner minimisation).
+  initial_penalty: ``rho`` at the start, >= 0. ``0`` freezes the multipliers
+    (dual steps are ``rho`` times the violation) and the penalty.
+  growth: factor > 1 by which ``rho`` grows when the residual stalls.
+  max_penalty: cap on ``rho`` (keeps the inner problem's conditioning sane
+    for first-order inner optimizers).
+  decrease: in (0, 1), the residual must fall below ``decrease`` times its
+    previous value at each dual update, else ``rho`` grows.
+  tolerance: no growth while the residual is below it (round-off and
+    sampling noise never push ``rho`` to its cap).
+  name: optimizer name.
+
+``get_config`` records the constraints' names and kinds but not their
+callables: ``from_config(config, constraints=[...])`` takes them again.
+Wrap this optimizer in a LossScaleOptimizer for mixed precision (not the
+reverse: the inner optimizer must see unscaled gradients).
+
+Example:
+
+    >>> x = tf.Variable([0.5, 0.5])
+    >>> opt = AugmentedLagrangian(
+    ...     {K}.optimizers.SGD(0.05),
+    ...     [Equality(lambda: tf.reduce_sum(x) - 1.0), Inequality(lambda: x[0] - 0.1)],
+    ...     max_penalty=10.0)  # plain SGD: keep lr * max_penalty * |grad g|^2 < 2
+    >>> for _ in range(500):
+    ...     with tf.GradientTape() as tape:
+    ...         loss = tf.reduce_sum(tf.square(x - [1.0, 0.0]))
+    ...     opt.apply_gradients(zip(tape.gradient(loss, [x]), [x]))
+    >>> # x -> [0.1, 0.9]; opt.metrics()["lagrange_violation"] -> 0
+"""

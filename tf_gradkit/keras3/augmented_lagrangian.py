@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gradkit import _augmented_lagrangian_common as common
+from tf_gradkit import _docs
 from tf_gradkit.core.augmented_lagrangian import ConstraintSpec
 from tf_gradkit.core.augmented_lagrangian import Equality
 from tf_gradkit.core.augmented_lagrangian import Inequality
@@ -23,7 +24,7 @@ __all__ = ["AugmentedLagrangian", "ConstraintSpec", "Equality", "Inequality"]
 @keras.saving.register_keras_serializable(package="tf_gradkit")
 class AugmentedLagrangian(common.AugmentedLagrangianMixin, keras.optimizers.Optimizer):
     _KERAS = keras
-    __doc__ = common.AUGMENTED_LAGRANGIAN.format(flavour="Keras 3", K="keras")
+    __doc__ = _docs.AUGMENTED_LAGRANGIAN.format(flavour="Keras 3", K="keras")
 
     def __init__(self, optimizer, constraints, model=None, dual_every=20,
                  initial_penalty=1.0, growth=10.0, max_penalty=1e3,

@@ -4,12 +4,13 @@ argument checks are in `tf_gradkit.core.frank_wolfe`)."""
 import keras
 import tensorflow as tf
 
+from tf_gradkit import _docs
 from tf_gradkit.core import frank_wolfe as fw
 
 
 @keras.saving.register_keras_serializable(package="tf_gradkit")
 class ConditionalGradient(keras.optimizers.Optimizer):
-    __doc__ = fw.DOCSTRING.format(flavour="Keras 3", K="keras",
+    __doc__ = _docs.CONDITIONAL_GRADIENT.format(flavour="Keras 3", K="keras",
                                   path_attr="``variable.path`` (e.g. ``dense/kernel``)")
 
     def __init__(self, learning_rate, lambda_=0.01, epsilon=1e-7, ord="fro",

@@ -13,6 +13,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_gradkit import _augmented_lagrangian_common as common
+from tf_gradkit import _docs
 from tf_gradkit.core.augmented_lagrangian import ConstraintSpec
 from tf_gradkit.core.augmented_lagrangian import Equality
 from tf_gradkit.core.augmented_lagrangian import Inequality
@@ -25,7 +26,7 @@ _LossScaleOptimizer = tf_keras.mixed_precision.LossScaleOptimizer
 @tf_keras.saving.register_keras_serializable(package="tf_gradkit")
 class AugmentedLagrangian(common.AugmentedLagrangianMixin, tf_keras.optimizers.Optimizer):
     _KERAS = tf_keras
-    __doc__ = common.AUGMENTED_LAGRANGIAN.format(flavour="tf_keras", K="tf_keras")
+    __doc__ = _docs.AUGMENTED_LAGRANGIAN.format(flavour="tf_keras", K="tf_keras")
 
     def __init__(self, optimizer, constraints, model=None, dual_every=20,
                  initial_penalty=1.0, growth=10.0, max_penalty=1e3,

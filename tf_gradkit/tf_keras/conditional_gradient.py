@@ -4,12 +4,13 @@ argument checks are in `tf_gradkit.core.frank_wolfe`)."""
 import tensorflow as tf
 import tf_keras
 
+from tf_gradkit import _docs
 from tf_gradkit.core import frank_wolfe as fw
 
 
 @tf_keras.saving.register_keras_serializable(package="tf_gradkit")
 class ConditionalGradient(tf_keras.optimizers.Optimizer):
-    __doc__ = fw.DOCSTRING.format(flavour="tf_keras", K="tf_keras",
+    __doc__ = _docs.CONDITIONAL_GRADIENT.format(flavour="tf_keras", K="tf_keras",
                                   path_attr="``variable.name`` (e.g. ``dense/kernel:0``)")
 
     def __init__(self, learning_rate, lambda_=0.01, epsilon=1e-7, ord="fro",
