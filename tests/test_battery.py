@@ -28,6 +28,10 @@ OPTIMIZERS = {
         K.mixed_precision.LossScaleOptimizer(K.optimizers.Adam(0.02)), steps=2,
         model=model),
     "levenberg-marquardt": lambda K, gk, model: gk.LevenbergMarquardt(model),
+    "augmented-lagrangian-adam": lambda K, gk, model: gk.AugmentedLagrangian(
+        K.optimizers.Adam(0.02), [gk.Inequality(
+            lambda: tf.reduce_sum(tf.square(model.trainable_variables[0])) - 4.0)],
+        dual_every=4),
     "projected-adam-maxnorm": lambda K, gk, model: gk.Projected(
         K.optimizers.Adam(0.02), {"kernel": C.MaxNorm(2.0)}, model=model),
     "levenberg-marquardt-qr-classic": lambda K, gk, model: gk.LevenbergMarquardt(
@@ -36,6 +40,11 @@ OPTIMIZERS = {
 }
 
 NAMES = sorted(OPTIMIZERS)
+
+# What `from_config` needs besides the config (callables are not serialised).
+FROM_CONFIG_EXTRA = {
+    "augmented-lagrangian-adam": lambda opt: {"constraints": opt.constraint_specs},
+}
 
 
 def _mse(model, x, y):
@@ -87,7 +96,8 @@ def test_custom_loop_trains(K, gk, name, mode):
 @pytest.mark.parametrize("name", NAMES)
 def test_config_round_trip(K, gk, name):
     opt = OPTIMIZERS[name](K, gk, None)
-    clone = type(opt).from_config(opt.get_config())
+    extra = FROM_CONFIG_EXTRA.get(name, lambda opt: {})(opt)
+    clone = type(opt).from_config(opt.get_config(), **extra)
     assert clone.get_config() == opt.get_config()
 
 

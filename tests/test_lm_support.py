@@ -47,6 +47,9 @@ def reduced_reference(gk, x, y, mask, w, iterations, mode):
 
 @pytest.mark.parametrize("solver", ["cholesky", "qr"])
 def test_support_step_equals_lm_on_the_restricted_problem(K, gk, mode, solver):
+    if solver == "qr" and mode != "eager":
+        pytest.skip("QR's support path is the same gather as Cholesky's; "
+                    "compiled modes are covered by cholesky")
     x, y, mask, model, w = problem(K)
     lm = gk.LevenbergMarquardt(solver=solver)
     lm.set_support_masks(masks_for(model, tf.Variable(mask)))

@@ -328,26 +328,13 @@ class AccumulatorMixin:
         """Windows discarded because a micro-batch had a NaN or Inf."""
         return self._skipped
 
-    @property
-    def iterations(self):
-        """Real (inner) updates: schedules and checkpoints see real steps."""
-        return self.inner_optimizer.iterations
-
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        self.inner_optimizer.learning_rate = learning_rate
-
     def finalize_variable_values(self, var_list):
         self.inner_optimizer.finalize_variable_values(var_list)
 
     def get_config(self):
         return {
             "name": self.name,
-            "optimizer": self._KERAS.optimizers.serialize(self.inner_optimizer),
+            "optimizer": self._inner_config(),
             "steps": self.steps,
             "reduction": self.reduction,
             "epoch_end": self.epoch_end,
@@ -357,8 +344,7 @@ class AccumulatorMixin:
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        inner = cls._KERAS.optimizers.deserialize(
-            config.pop("optimizer"), custom_objects=custom_objects)
+        inner = cls._inner_from_config(config, custom_objects)
         return cls(inner, **config)
 
 

@@ -386,26 +386,13 @@ class AugmentedLagrangianMixin:
         return {"lagrange_violation": metrics["lagrange_violation"],
                 "penalty": metrics["penalty"]}
 
-    # ------------------------------------------------------- delegation
-    @property
-    def iterations(self):
-        return self.inner_optimizer.iterations
-
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        self.inner_optimizer.learning_rate = learning_rate
-
     def finalize_variable_values(self, var_list):
         self.inner_optimizer.finalize_variable_values(var_list)
 
     def get_config(self):
         return {
             "name": self.name,
-            "optimizer": self._KERAS.optimizers.serialize(self.inner_optimizer),
+            "optimizer": self._inner_config(),
             "constraints": [{"name": c.name, "kind": c.kind,
                              "takes_outputs": c.takes_outputs,
                              "shape": None if c.shape is None else c.shape.as_list()}
@@ -429,8 +416,7 @@ class AugmentedLagrangianMixin:
                 f"{_OWNER}.from_config: constraint callables are not "
                 f"serialised; pass them again: from_config(config, "
                 f"constraints=[...]) for {[c['name'] for c in recorded]}.")
-        inner = cls._KERAS.optimizers.deserialize(
-            config.pop("optimizer"), custom_objects=custom_objects)
+        inner = cls._inner_from_config(config, custom_objects)
         return cls(inner, constraints, **config)
 
 

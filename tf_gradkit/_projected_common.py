@@ -13,7 +13,8 @@ variable back once. Why a wrapper and not Keras's ``constraint=``:
   projected (Keras 3 projects a whole 200k-row embedding every step);
 - wrapped by ``GradientAccumulator``, projection runs after real updates only.
 
-Adapters provide ``_KERAS``, ``_path_of(variable)``, ``_tf_variable(variable)``,
+Adapters (with `tf_gradkit._wrapping`'s mixin of their flavour) provide
+``_KERAS``, ``_path_of(variable)``, ``_tf_variable(variable)``,
 ``_ema_average(owner, variable)``, ``_ema_momentum(owner)`` and the host's
 ``_var_key``.
 """
@@ -143,6 +144,9 @@ class ProjectedMixin:
         hook = getattr(optimizer, "support_mask", None)
         if callable(hook):
             self._support_masks = hook
+
+    def _build_own(self, var_list):
+        self._resolve(var_list)
 
     # -------------------------------------------------------------- map
     def _resolve(self, variables):
@@ -318,7 +322,7 @@ class ProjectedMixin:
     def get_config(self):
         return {
             "name": self.name,
-            "optimizer": self._KERAS.optimizers.serialize(self.inner_optimizer),
+            "optimizer": self._inner_config(),
             "constraints": self._config_constraints(),
             "sparse_rows": self.sparse_rows,
         }
@@ -326,26 +330,12 @@ class ProjectedMixin:
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        inner = cls._KERAS.optimizers.deserialize(
-            config.pop("optimizer"), custom_objects=custom_objects)
+        inner = cls._inner_from_config(config, custom_objects)
         constraints = {
             k: cls._KERAS.constraints.deserialize(v, custom_objects=custom_objects)
             for k, v in config.pop("constraints").items()}
         return cls(inner, constraints, **config)
 
-    # ------------------------------------------------------- delegation
-    @property
-    def iterations(self):
-        """The inner optimizer's updates (schedules and logs see those)."""
-        return self.inner_optimizer.iterations
-
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        self.inner_optimizer.learning_rate = learning_rate
 
 
 def _when(pred, fn):

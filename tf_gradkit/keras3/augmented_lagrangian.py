@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from tf_gradkit import _augmented_lagrangian_common as common
 from tf_gradkit import _docs
+from tf_gradkit import _wrapping
 from tf_gradkit.core.augmented_lagrangian import ConstraintSpec
 from tf_gradkit.core.augmented_lagrangian import Equality
 from tf_gradkit.core.augmented_lagrangian import Inequality
@@ -22,7 +23,8 @@ __all__ = ["AugmentedLagrangian", "ConstraintSpec", "Equality", "Inequality"]
 
 
 @keras.saving.register_keras_serializable(package="tf_gradkit")
-class AugmentedLagrangian(common.AugmentedLagrangianMixin, keras.optimizers.Optimizer):
+class AugmentedLagrangian(common.AugmentedLagrangianMixin, _wrapping.Keras3WrapperMixin,
+                          keras.optimizers.Optimizer):
     _KERAS = keras
     __doc__ = _docs.AUGMENTED_LAGRANGIAN.format(flavour="Keras 3", K="keras")
 
@@ -54,21 +56,12 @@ class AugmentedLagrangian(common.AugmentedLagrangianMixin, keras.optimizers.Opti
         self._track_variable(var)
         return var.value  # the tf.Variable: the core speaks plain TensorFlow
 
-    def build(self, var_list):
-        if self.built:
-            return
-        var_list = list(var_list)
-        if not self.inner_optimizer.built:
-            self.inner_optimizer.build(var_list)
+    def _build_own(self, var_list):
+        del var_list
         scope = (contextlib.nullcontext() if tf.distribute.has_strategy()
                  else self._distribution_strategy.scope())
         with scope:
             self._build_lagrangian()
-        super().build(var_list)
-
-    @property
-    def variables(self):
-        return self._variables[:] + self.inner_optimizer.variables
 
     def apply_gradients(self, grads_and_vars):
         grads, variables = zip(*grads_and_vars)

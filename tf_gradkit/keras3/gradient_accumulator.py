@@ -13,10 +13,12 @@ import tensorflow as tf
 
 from tf_gradkit import _accumulator_common as common
 from tf_gradkit import _docs
+from tf_gradkit import _wrapping
 
 
 @keras.saving.register_keras_serializable(package="tf_gradkit")
-class GradientAccumulator(common.AccumulatorMixin, keras.optimizers.Optimizer):
+class GradientAccumulator(common.AccumulatorMixin, _wrapping.Keras3WrapperMixin,
+                          keras.optimizers.Optimizer):
     _KERAS = keras
     __doc__ = _docs.GRADIENT_ACCUMULATOR.format(flavour="Keras 3", K="keras")
 
@@ -43,21 +45,11 @@ class GradientAccumulator(common.AccumulatorMixin, keras.optimizers.Optimizer):
         self._track_variable(var)
         return var.value  # the tf.Variable: the core speaks plain TensorFlow
 
-    def build(self, var_list):
-        if self.built:
-            return
-        var_list = list(var_list)
-        if not self.inner_optimizer.built:
-            self.inner_optimizer.build(var_list)
+    def _build_own(self, var_list):
         scope = (contextlib.nullcontext() if tf.distribute.has_strategy()
                  else self._distribution_strategy.scope())
         with scope:
             self._build_accumulator(var_list)
-        super().build(var_list)
-
-    @property
-    def variables(self):
-        return self._variables[:] + self.inner_optimizer.variables
 
     def apply_gradients(self, grads_and_vars, sample_count=None, local_step=None):
         grads, variables = zip(*grads_and_vars)

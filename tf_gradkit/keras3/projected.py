@@ -11,10 +11,12 @@ import tensorflow as tf
 
 from tf_gradkit import _docs
 from tf_gradkit import _projected_common as common
+from tf_gradkit import _wrapping
 
 
 @keras.saving.register_keras_serializable(package="tf_gradkit")
-class Projected(common.ProjectedMixin, keras.optimizers.Optimizer):
+class Projected(common.ProjectedMixin, _wrapping.Keras3WrapperMixin,
+                keras.optimizers.Optimizer):
     _KERAS = keras
     __doc__ = _docs.PROJECTED.format(flavour="Keras 3", K="keras",
                                      path="Keras 3 ``variable.path``")
@@ -63,19 +65,6 @@ class Projected(common.ProjectedMixin, keras.optimizers.Optimizer):
         return tf.equal(tf.math.floormod(self.inner_optimizer.iterations, steps), 0)
 
     # ------------------------------------------------------ optimizer API
-    def build(self, var_list):
-        if self.built:
-            return
-        var_list = list(var_list)
-        if not self.inner_optimizer.built:
-            self.inner_optimizer.build(var_list)
-        self._resolve(var_list)
-        super().build(var_list)
-
-    @property
-    def variables(self):
-        return self._variables[:] + self.inner_optimizer.variables
-
     def apply_gradients(self, grads_and_vars):
         grads, variables = zip(*grads_and_vars)
         self.apply(grads, variables)

@@ -4,6 +4,7 @@ optimizer state exactly zero after every update (tf_keras only)."""
 import tensorflow as tf
 import tf_keras
 
+from tf_gradkit import _wrapping
 from tf_gradkit.pruning import _masks
 
 _WHO = "MaskAware"
@@ -25,7 +26,7 @@ def _multiply_in_place(variable, mask):
 
 
 @tf_keras.saving.register_keras_serializable(package="tf_gradkit")
-class MaskAware(tf_keras.optimizers.Optimizer):
+class MaskAware(_wrapping.TfKerasWrapperMixin, tf_keras.optimizers.Optimizer):
     """Applies the wrapped optimizer through pruning masks (tf_keras).
 
     tfmot's ``PruneLowMagnitude`` re-applies its masks to the weights before
@@ -94,6 +95,8 @@ class MaskAware(tf_keras.optimizers.Optimizer):
     >>> pruned.compile(optimizer=opt, loss="mse")
     >>> pruned.fit(x, y, callbacks=[UpdatePruningStepFromOptimizer()])
     """
+
+    _KERAS = tf_keras
 
     def __init__(self, optimizer, model=None, masks=None, name=None, **kwargs):
         if kwargs:
@@ -178,30 +181,15 @@ class MaskAware(tf_keras.optimizers.Optimizer):
         return tf.cast(mask, variable.dtype)
 
     # ------------------------------------------------------------------ build
-    def build(self, var_list):
-        super().build(var_list)
-        if getattr(self, "_built", False):
-            return
-        var_list = list(var_list)
-        self.inner_optimizer.build(var_list)
+    def _build_own(self, var_list):
         table = self._mask_table()
         slots = _masks.slots_by_variable(
             self.inner_optimizer.variables, var_list, self._var_key)
         self._targets = self._no_dependency([
             (table[key][0], table[key][1], slots[key])
             for key in (self._var_key(v) for v in var_list) if key in table])
-        self._built = True
-
-    @property
-    def variables(self):
-        return tf_keras.src.optimizers.optimizer.CallableList(
-            list(self._variables) + list(self.inner_optimizer.variables))
 
     # ----------------------------------------------------------------- update
-    def compute_gradients(self, loss, var_list, tape=None):
-        # The inner one (a LossScaleOptimizer scales the loss here).
-        return self.inner_optimizer.compute_gradients(loss, var_list, tape=tape)
-
     def apply_gradients(self, grads_and_vars, name=None,
                         skip_gradients_aggregation=False, **kwargs):
         pairs = list(grads_and_vars)
@@ -279,24 +267,6 @@ class MaskAware(tf_keras.optimizers.Optimizer):
     def needs_residuals(self):
         return getattr(self.inner_optimizer, "needs_residuals", False)
 
-    # ------------------------------------------------------------ delegation
-    @property
-    def iterations(self):
-        """The inner optimizer's: real updates (schedules, pruning steps)."""
-        return self.inner_optimizer.iterations
-
-    @iterations.setter
-    def iterations(self, variable):
-        self.inner_optimizer.iterations = variable
-
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        self.inner_optimizer.learning_rate = learning_rate
-
     def finalize_variable_values(self, var_list):
         self.inner_optimizer.finalize_variable_values(var_list)
         self.mask_state()
@@ -305,13 +275,12 @@ class MaskAware(tf_keras.optimizers.Optimizer):
         # Masks are data of the model, not configuration: `attach` them after
         # `from_config` (as GradientAccumulator's `model=` is not serialised).
         return {"name": self.name,
-                "optimizer": tf_keras.optimizers.serialize(self.inner_optimizer)}
+                "optimizer": self._inner_config()}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        inner = tf_keras.optimizers.deserialize(
-            config.pop("optimizer"), custom_objects=custom_objects)
+        inner = cls._inner_from_config(config, custom_objects)
         optimizer = cls.__new__(cls)
         optimizer._init_wrapper(inner, config.pop("name", None))
         return optimizer

@@ -14,6 +14,7 @@ import tf_keras
 
 from tf_gradkit import _augmented_lagrangian_common as common
 from tf_gradkit import _docs
+from tf_gradkit import _wrapping
 from tf_gradkit.core.augmented_lagrangian import ConstraintSpec
 from tf_gradkit.core.augmented_lagrangian import Equality
 from tf_gradkit.core.augmented_lagrangian import Inequality
@@ -24,7 +25,8 @@ _LossScaleOptimizer = tf_keras.mixed_precision.LossScaleOptimizer
 
 
 @tf_keras.saving.register_keras_serializable(package="tf_gradkit")
-class AugmentedLagrangian(common.AugmentedLagrangianMixin, tf_keras.optimizers.Optimizer):
+class AugmentedLagrangian(common.AugmentedLagrangianMixin, _wrapping.TfKerasWrapperMixin,
+                          tf_keras.optimizers.Optimizer):
     _KERAS = tf_keras
     __doc__ = _docs.AUGMENTED_LAGRANGIAN.format(flavour="tf_keras", K="tf_keras")
 
@@ -58,23 +60,9 @@ class AugmentedLagrangian(common.AugmentedLagrangianMixin, tf_keras.optimizers.O
         self._variables.append(var)
         return var
 
-    def build(self, var_list):
-        super().build(var_list)
-        if getattr(self, "_built", False):
-            return
-        var_list = list(var_list)
-        self.inner_optimizer.build(var_list)  # idempotent in tf_keras
-        self._trainable_variables = var_list
+    def _build_own(self, var_list):
+        del var_list
         self._build_lagrangian()
-        self._built = True
-
-    @property
-    def variables(self):
-        return tf_keras.src.optimizers.optimizer.CallableList(
-            list(self._variables) + list(self.inner_optimizer.variables))
-
-    def compute_gradients(self, loss, var_list, tape=None):
-        return self.inner_optimizer.compute_gradients(loss, var_list, tape=tape)
 
     def apply_gradients(self, grads_and_vars, name=None,
                         skip_gradients_aggregation=False, **kwargs):
@@ -91,6 +79,3 @@ class AugmentedLagrangian(common.AugmentedLagrangianMixin, tf_keras.optimizers.O
     def _inner_apply(self, grads, variables):
         self.inner_optimizer.apply_gradients(zip(grads, variables))
 
-    @common.AugmentedLagrangianMixin.iterations.setter
-    def iterations(self, variable):
-        self.inner_optimizer.iterations = variable

@@ -15,12 +15,14 @@ import tf_keras
 
 from tf_gradkit import _accumulator_common as common
 from tf_gradkit import _docs
+from tf_gradkit import _wrapping
 
 _LossScaleOptimizer = tf_keras.mixed_precision.LossScaleOptimizer
 
 
 @tf_keras.saving.register_keras_serializable(package="tf_gradkit")
-class GradientAccumulator(common.AccumulatorMixin, tf_keras.optimizers.Optimizer):
+class GradientAccumulator(common.AccumulatorMixin, _wrapping.TfKerasWrapperMixin,
+                          tf_keras.optimizers.Optimizer):
     _KERAS = tf_keras
     __doc__ = _docs.GRADIENT_ACCUMULATOR.format(flavour="tf_keras", K="tf_keras")
 
@@ -51,23 +53,8 @@ class GradientAccumulator(common.AccumulatorMixin, tf_keras.optimizers.Optimizer
         self._variables.append(var)
         return var
 
-    def build(self, var_list):
-        super().build(var_list)
-        if getattr(self, "_built", False):
-            return
-        var_list = list(var_list)
-        self.inner_optimizer.build(var_list)  # idempotent in tf_keras
-        self._trainable_variables = var_list
+    def _build_own(self, var_list):
         self._build_accumulator(var_list)
-        self._built = True
-
-    @property
-    def variables(self):
-        return tf_keras.src.optimizers.optimizer.CallableList(
-            list(self._variables) + list(self.inner_optimizer.variables))
-
-    def compute_gradients(self, loss, var_list, tape=None):
-        return self.inner_optimizer.compute_gradients(loss, var_list, tape=tape)
 
     def apply_gradients(self, grads_and_vars, name=None,
                         skip_gradients_aggregation=False, sample_count=None,
@@ -87,7 +74,3 @@ class GradientAccumulator(common.AccumulatorMixin, tf_keras.optimizers.Optimizer
 
     def _inner_is_loss_scale(self):
         return isinstance(self.inner_optimizer, _LossScaleOptimizer)
-
-    @common.AccumulatorMixin.iterations.setter
-    def iterations(self, variable):
-        self.inner_optimizer.iterations = variable

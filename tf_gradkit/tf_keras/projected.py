@@ -12,12 +12,14 @@ import tf_keras
 
 from tf_gradkit import _docs
 from tf_gradkit import _projected_common as common
+from tf_gradkit import _wrapping
 
 _LossScaleOptimizer = tf_keras.mixed_precision.LossScaleOptimizer
 
 
 @tf_keras.saving.register_keras_serializable(package="tf_gradkit")
-class Projected(common.ProjectedMixin, tf_keras.optimizers.Optimizer):
+class Projected(common.ProjectedMixin, _wrapping.TfKerasWrapperMixin,
+                tf_keras.optimizers.Optimizer):
     _KERAS = tf_keras
     __doc__ = _docs.PROJECTED.format(flavour="tf_keras", K="tf_keras",
                                      path="tf_keras ``variable.name``")
@@ -57,24 +59,6 @@ class Projected(common.ProjectedMixin, tf_keras.optimizers.Optimizer):
         return float(owner.ema_momentum)  # tf_keras: the same every step
 
     # ------------------------------------------------------ optimizer API
-    def build(self, var_list):
-        super().build(var_list)
-        if getattr(self, "_built", False):
-            return
-        var_list = list(var_list)
-        self.inner_optimizer.build(var_list)  # idempotent in tf_keras
-        self._trainable_variables = var_list
-        self._resolve(var_list)
-        self._built = True
-
-    @property
-    def variables(self):
-        return tf_keras.src.optimizers.optimizer.CallableList(
-            list(self._variables) + list(self.inner_optimizer.variables))
-
-    def compute_gradients(self, loss, var_list, tape=None):
-        return self.inner_optimizer.compute_gradients(loss, var_list, tape=tape)
-
     def apply_gradients(self, grads_and_vars, name=None,
                         skip_gradients_aggregation=False, **kwargs):
         grads_and_vars = list(grads_and_vars)
@@ -93,7 +77,3 @@ class Projected(common.ProjectedMixin, tf_keras.optimizers.Optimizer):
         self.inner_optimizer.finalize_variable_values(var_list)
         if self._ema_owner() is not None:
             self._finalize_projection(var_list)
-
-    @common.ProjectedMixin.iterations.setter
-    def iterations(self, variable):
-        self.inner_optimizer.iterations = variable
