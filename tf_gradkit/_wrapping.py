@@ -11,9 +11,11 @@ variables in a tracker; tf_keras keeps them in ``_variables``, assigns
 ``compute_gradients``. One mixin per flavour holds that; each wrapper provides
 ``_build_own(var_list)`` for its own state.
 
-Nothing here imports a Keras: each flavour's mixin is only used by classes of
-that flavour.
+Nothing here imports a Keras at import time: each flavour's mixin is only used
+by classes of that flavour.
 """
+
+import tensorflow as tf
 
 
 class WrapperMixin:
@@ -64,6 +66,26 @@ class Keras3WrapperMixin(WrapperMixin):
     def variables(self):
         return self._variables[:] + self.inner_optimizer.variables
 
+    def apply_gradients(self, grads_and_vars):
+        grads, variables = zip(*grads_and_vars)
+        self.apply(grads, variables)
+        return self.iterations
+
+    def _built_for(self, trainable_variables):
+        """The variables of an ``apply`` call, building on the first one."""
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    f"{type(self).__name__}.apply: pass `trainable_variables` "
+                    "on the first call, or call `build(variables)` first.")
+            return list(self._trainable_variables)
+        trainable_variables = list(trainable_variables)
+        if not self.built:
+            import keras  # noqa: PLC0415 - only Keras 3 classes use this mixin
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+        return trainable_variables
+
 
 class TfKerasWrapperMixin(WrapperMixin):
     """tf_keras: ``_built``, ``_variables``, an assignable ``iterations`` and
@@ -96,3 +118,14 @@ class TfKerasWrapperMixin(WrapperMixin):
 
     def compute_gradients(self, loss, var_list, tape=None):
         return self.inner_optimizer.compute_gradients(loss, var_list, tape=tape)
+
+    def _built_pairs(self, grads_and_vars):
+        """``(grads, variables)`` of an ``apply_gradients`` call, building on
+        the first one; None when there is nothing to apply."""
+        grads_and_vars = list(grads_and_vars)
+        if not grads_and_vars:
+            return None
+        grads, variables = zip(*grads_and_vars)
+        with tf.init_scope():
+            self.build(variables)
+        return list(grads), list(variables)

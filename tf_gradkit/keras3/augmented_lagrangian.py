@@ -63,22 +63,8 @@ class AugmentedLagrangian(common.AugmentedLagrangianMixin, _wrapping.Keras3Wrapp
         with scope:
             self._build_lagrangian()
 
-    def apply_gradients(self, grads_and_vars):
-        grads, variables = zip(*grads_and_vars)
-        self.apply(grads, variables)
-        return self.iterations
-
     def apply(self, grads, trainable_variables=None):
-        if trainable_variables is None:
-            if not self.built:
-                raise ValueError(
-                    "AugmentedLagrangian.apply: pass `trainable_variables` on "
-                    "the first call, or call `build(variables)` first.")
-            trainable_variables = self._trainable_variables
-        trainable_variables = list(trainable_variables)
-        if not self.built:
-            with keras.name_scope(self.name, caller=self):
-                self.build(trainable_variables)
+        trainable_variables = self._built_for(trainable_variables)
         self._lagrangian_apply(grads, trainable_variables)
 
     def _inner_apply(self, grads, variables):

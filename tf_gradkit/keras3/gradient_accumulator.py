@@ -59,16 +59,7 @@ class GradientAccumulator(common.AccumulatorMixin, _wrapping.Keras3WrapperMixin,
 
     def apply(self, grads, trainable_variables=None, sample_count=None,
               local_step=None):
-        if trainable_variables is None:
-            if not self.built:
-                raise ValueError(
-                    "GradientAccumulator.apply: pass `trainable_variables` on "
-                    "the first call, or call `build(variables)` first.")
-            trainable_variables = self._trainable_variables
-        trainable_variables = list(trainable_variables)
-        if not self.built:
-            with keras.name_scope(self.name, caller=self):
-                self.build(trainable_variables)
+        trainable_variables = self._built_for(trainable_variables)
         self._accumulate(grads, trainable_variables, sample_count, local_step)
 
     def _inner_apply(self, grads, variables):

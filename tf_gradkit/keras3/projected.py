@@ -65,22 +65,9 @@ class Projected(common.ProjectedMixin, _wrapping.Keras3WrapperMixin,
         return tf.equal(tf.math.floormod(self.inner_optimizer.iterations, steps), 0)
 
     # ------------------------------------------------------ optimizer API
-    def apply_gradients(self, grads_and_vars):
-        grads, variables = zip(*grads_and_vars)
-        self.apply(grads, variables)
-        return self.iterations
-
     def apply(self, grads, trainable_variables=None):
-        if trainable_variables is None:
-            if not self.built:
-                raise ValueError("Projected.apply: pass `trainable_variables` on "
-                                 "the first call, or call `build(variables)` first.")
-            trainable_variables = self._trainable_variables
         grads = list(grads)
-        trainable_variables = list(trainable_variables)
-        if not self.built:
-            with keras.name_scope(self.name, caller=self):
-                self.build(trainable_variables)
+        trainable_variables = self._built_for(trainable_variables)
         self.inner_optimizer.apply(grads, trainable_variables)
         self._project_after_update(grads, trainable_variables)
 

@@ -192,11 +192,10 @@ class MaskAware(_wrapping.TfKerasWrapperMixin, tf_keras.optimizers.Optimizer):
     # ----------------------------------------------------------------- update
     def apply_gradients(self, grads_and_vars, name=None,
                         skip_gradients_aggregation=False, **kwargs):
-        pairs = list(grads_and_vars)
-        if not pairs:
+        built = self._built_pairs(grads_and_vars)
+        if built is None:
             return self.iterations
-        with tf.init_scope():
-            self.build([v for _, v in pairs])
+        pairs = list(zip(*built))
         table = self._mask_table()
         masked = []
         for grad, variable in pairs:

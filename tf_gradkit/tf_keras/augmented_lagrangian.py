@@ -67,12 +67,10 @@ class AugmentedLagrangian(common.AugmentedLagrangianMixin, _wrapping.TfKerasWrap
     def apply_gradients(self, grads_and_vars, name=None,
                         skip_gradients_aggregation=False, **kwargs):
         del name, skip_gradients_aggregation, kwargs  # the inner one aggregates
-        grads_and_vars = list(grads_and_vars)
-        if not grads_and_vars:
+        built = self._built_pairs(grads_and_vars)
+        if built is None:
             return self.iterations
-        grads, variables = zip(*grads_and_vars)
-        with tf.init_scope():
-            self.build(variables)
+        grads, variables = built
         self._lagrangian_apply(grads, variables)
         return self.iterations
 

@@ -60,12 +60,10 @@ class GradientAccumulator(common.AccumulatorMixin, _wrapping.TfKerasWrapperMixin
                         skip_gradients_aggregation=False, sample_count=None,
                         local_step=None, **kwargs):
         del name, skip_gradients_aggregation, kwargs  # aggregation: at the window
-        grads_and_vars = list(grads_and_vars)
-        if not grads_and_vars:
+        built = self._built_pairs(grads_and_vars)
+        if built is None:
             return self.iterations
-        grads, variables = zip(*grads_and_vars)
-        with tf.init_scope():
-            self.build(variables)
+        grads, variables = built
         self._accumulate(grads, variables, sample_count, local_step)
         return self.iterations
 

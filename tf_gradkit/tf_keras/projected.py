@@ -61,14 +61,12 @@ class Projected(common.ProjectedMixin, _wrapping.TfKerasWrapperMixin,
     # ------------------------------------------------------ optimizer API
     def apply_gradients(self, grads_and_vars, name=None,
                         skip_gradients_aggregation=False, **kwargs):
-        grads_and_vars = list(grads_and_vars)
-        if not grads_and_vars:
+        built = self._built_pairs(grads_and_vars)
+        if built is None:
             return self.iterations
-        grads, variables = zip(*grads_and_vars)
-        with tf.init_scope():
-            self.build(variables)
+        grads, variables = built
         self.inner_optimizer.apply_gradients(
-            grads_and_vars, name=name,
+            zip(grads, variables), name=name,
             skip_gradients_aggregation=skip_gradients_aggregation, **kwargs)
         self._project_after_update(grads, variables)
         return self.iterations
