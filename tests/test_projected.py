@@ -318,3 +318,32 @@ def test_bad_arguments(K, gk, kwargs, error, match):
 def test_other_flavour_optimizer_is_refused(gk):
     with pytest.raises(TypeError, match="Projected .* wraps a"):
         gk.Projected(tf.Module(), {"kernel": C.NonNeg()})
+
+
+def test_keras3_gradient_accumulation_steps_inner(K, gk, mode):
+    if K.__name__ != "keras":
+        pytest.skip("`gradient_accumulation_steps` is a Keras 3 option")
+    x, y = data(n=32)
+    model, ref = named_mlp(K), named_mlp(K)
+    opt = gk.Projected(K.optimizers.Adam(0.05, gradient_accumulation_steps=2),
+                       {"hid/kernel": C.NonNeg()})
+    ref_opt = K.optimizers.Adam(0.05, gradient_accumulation_steps=2)
+
+    def step(xb, yb):
+        _, grads = mse_grads(model, xb, yb)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    def ref_step(xb, yb):
+        _, grads = mse_grads(ref, xb, yb)
+        ref_opt.apply_gradients(zip(grads, ref.trainable_variables))
+        kernel = ref.get_layer("hid").kernel
+        # Keras updates the weights on every second call only; project then.
+        if int(ref_opt.iterations.numpy()) % 2 == 0:
+            kernel.assign(tf.maximum(kernel, 0.0))
+
+    step = compile_fn(step, mode)
+    for i in range(0, 32, 8):
+        step(x[i:i + 8], y[i:i + 8])
+        ref_step(x[i:i + 8], y[i:i + 8])
+        assert max_abs_diff(weights_of(model), weights_of(ref)) < ULPS
+    assert is_nonneg(model.get_layer("hid").kernel.numpy())
