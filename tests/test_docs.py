@@ -6,6 +6,7 @@ tf_keras themselves (the tfmot examples) in the tf_keras process, the others
 in the Keras 3 process.
 """
 
+import json
 import os
 import pathlib
 import re
@@ -29,14 +30,59 @@ def _legacy_process():
     return os.environ.get("TF_USE_LEGACY_KERAS") in ("1", "true", "True")
 
 
+# Runs blocks one after another in one interpreter, each in a fresh namespace,
+# resetting Keras's global state between them (TensorFlow's import is most of
+# a small block's time). Prints one JSON line per block.
+_RUNNER = r"""
+import json, sys, traceback
+blocks = json.loads(sys.stdin.read())
+for name, code in blocks:
+    try:
+        exec(compile(code, name, "exec"), {"__name__": "__main__"})
+        result = None
+    except BaseException:  # noqa: BLE001 - reported to the test
+        result = traceback.format_exc()[-3000:]
+    import tensorflow as tf
+    tf.keras.mixed_precision.set_global_policy("float32")
+    tf.keras.backend.clear_session()
+    print("@@DOCS@@" + json.dumps([name, result]), flush=True)
+"""
+
+
+def _pins_tf_keras(code):
+    return 'os.environ["TF_USE_LEGACY_KERAS"] = "1"' in code
+
+
+@pytest.fixture(scope="module")
+def shared_run():
+    """Results of the flavour-neutral blocks, run together once."""
+    blocks = [(p.id, p.values[0]) for p in _examples()
+              if not _pins_tf_keras(p.values[0])]
+    out = subprocess.run([sys.executable, "-c", _RUNNER], env=dict(os.environ),
+                         input=json.dumps(blocks), capture_output=True, text=True,
+                         timeout=1800)
+    results = {}
+    for line in out.stdout.splitlines():
+        if line.startswith("@@DOCS@@"):
+            name, error = json.loads(line[len("@@DOCS@@"):])
+            results[name] = error
+    return results, out.stderr[-3000:]
+
+
 @pytest.mark.parametrize("code", list(_examples()))
-def test_doc_example_runs(code):
-    # Each block runs once: the tfmot ones (which pin tf_keras themselves) in
-    # the tf_keras process, the others in the Keras 3 one. Their features are
-    # tested under both flavours by the suite; here we check the docs run.
-    pins_tf_keras = 'os.environ["TF_USE_LEGACY_KERAS"] = "1"' in code
-    if pins_tf_keras != _legacy_process():
+def test_doc_example_runs(code, request):
+    # Each block runs once: the tfmot ones (which pin tf_keras themselves, so
+    # need an interpreter of their own) in the tf_keras process, the others
+    # in the Keras 3 one. Their features are tested under both flavours by the
+    # suite; here we check that the docs run.
+    if _pins_tf_keras(code) != _legacy_process():
         pytest.skip("runs once, in the other flavour's process")
-    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ),
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    if _pins_tf_keras(code):
+        out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ),
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return
+    results, stderr = request.getfixturevalue("shared_run")
+    name = request.node.callspec.id
+    assert name in results, f"the docs runner stopped before {name}: {stderr}"
+    assert results[name] is None, results[name]
