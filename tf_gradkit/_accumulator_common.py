@@ -156,8 +156,6 @@ class AccumulatorMixin:
     ``_inner_is_loss_scale()``, ``_var_key`` and ``_trainable_variables``.
     """
 
-    _KERAS = None  # set by each adapter: `keras` or `tf_keras`
-
     def _init_accumulator(self, optimizer, steps, reduction, model, epoch_end,
                           nonfinite, callback_base):
         self.inner_optimizer = optimizer

@@ -31,13 +31,15 @@ import tensorflow as tf
 
 from tf_gradkit.core import augmented_lagrangian as rule
 
-_OWNER = "AugmentedLagrangian"
+OWNER = "AugmentedLagrangian"
+ACCEPTED = ("optimizer, constraints, model, dual_every, initial_penalty, growth, "
+            "max_penalty, decrease, tolerance, name")
 
 # --------------------------------------------------------------- validation
 def _number(name, value, ok, accepted):
     if (isinstance(value, bool) or not isinstance(value, numbers.Real)
             or not np.isfinite(value) or not ok(value)):
-        raise ValueError(f"{_OWNER}: `{name}` must be {accepted}. "
+        raise ValueError(f"{OWNER}: `{name}` must be {accepted}. "
                          f"Received: {name}={value!r}")
     return float(value)
 
@@ -49,7 +51,7 @@ def validate_arguments(constraints, dual_every, initial_penalty, growth,
         constraints = [constraints]
     if not isinstance(constraints, (list, tuple)) or not constraints:
         raise ValueError(
-            f"{_OWNER}: `constraints` must be a non-empty list of "
+            f"{OWNER}: `constraints` must be a non-empty list of "
             "Inequality(fn) / Equality(fn) specs. Received: "
             f"constraints={constraints!r}")
     specs = []
@@ -60,24 +62,24 @@ def validate_arguments(constraints, dual_every, initial_penalty, growth,
             fn, kind = c
             if kind not in rule.KINDS:
                 raise ValueError(
-                    f"{_OWNER}: the kind of `constraints[{i}]` must be one of "
+                    f"{OWNER}: the kind of `constraints[{i}]` must be one of "
                     f"{rule.KINDS}. Received: {kind!r}")
             if not callable(fn):
                 raise TypeError(
-                    f"{_OWNER}: `constraints[{i}]` must hold a callable. "
+                    f"{OWNER}: `constraints[{i}]` must hold a callable. "
                     f"Received: {fn!r}")
             specs.append(rule.ConstraintSpec(fn, kind))
         elif callable(c):
             raise TypeError(
-                f"{_OWNER}: `constraints[{i}]` is a bare callable; say its "
+                f"{OWNER}: `constraints[{i}]` is a bare callable; say its "
                 "kind: Inequality(fn) for fn(...) <= 0 or Equality(fn) for "
                 f"fn(...) == 0. Received: {c!r}")
         else:
             raise TypeError(
-                f"{_OWNER}: `constraints[{i}]` must be Inequality(fn), "
+                f"{OWNER}: `constraints[{i}]` must be Inequality(fn), "
                 f"Equality(fn) or a (fn, kind) pair. Received: {c!r}")
     if isinstance(dual_every, bool) or not isinstance(dual_every, int) or dual_every < 1:
-        raise ValueError(f"{_OWNER}: `dual_every` must be an integer >= 1 "
+        raise ValueError(f"{OWNER}: `dual_every` must be an integer >= 1 "
                          f"(optimizer steps per dual update). Received: "
                          f"dual_every={dual_every!r}")
     _number("initial_penalty", initial_penalty, lambda v: v >= 0,
@@ -90,32 +92,10 @@ def validate_arguments(constraints, dual_every, initial_penalty, growth,
     return specs
 
 
-def wrong_optimizer(optimizer, flavour):
-    other = "tf_keras" if flavour == "keras3" else "keras3"
-    base = ("keras.optimizers.Optimizer (Keras 3)" if flavour == "keras3"
-            else "tf_keras.optimizers.Optimizer")
-    kind = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
-    return (f"{_OWNER} (tf_gradkit.{flavour}): `optimizer` must be a {base}. "
-            f"Received: optimizer={kind}. For an optimizer of the other "
-            f"flavour use tf_gradkit.{other}.{_OWNER}.")
-
-
 def loss_scale_inner():
-    return (f"{_OWNER}: `optimizer` must not be a LossScaleOptimizer; wrap the "
-            f"{_OWNER} in one instead (LossScaleOptimizer({_OWNER}(inner, "
+    return (f"{OWNER}: `optimizer` must not be a LossScaleOptimizer; wrap the "
+            f"{OWNER} in one instead (LossScaleOptimizer({OWNER}(inner, "
             "constraints))), so that it sees unscaled gradients.")
-
-
-def wrong_model(model, accepted):
-    return (f"{_OWNER}: `model` must be a {accepted}. Received: "
-            f"model={type(model).__module__}.{type(model).__name__}")
-
-
-def unexpected_kwargs(kwargs):
-    return (f"{_OWNER}: unexpected arguments {sorted(kwargs)}; accepted are "
-            "optimizer, constraints, model, dual_every, initial_penalty, "
-            "growth, max_penalty, decrease, tolerance, name. Set learning rate, clipping "
-            "and weight decay on the inner optimizer.")
 
 
 def _replicas():
@@ -202,8 +182,6 @@ class AugmentedLagrangianMixin:
     ``_inner_apply(grads, variables)``.
     """
 
-    _KERAS = None
-
     def _init_lagrangian(self, optimizer, specs, model, dual_every,
                          initial_penalty, growth, max_penalty, decrease,
                          tolerance):
@@ -240,7 +218,7 @@ class AugmentedLagrangianMixin:
                     c.shape = tf.convert_to_tensor(c.fn()).shape
                 if not c.shape.is_fully_defined():
                     raise ValueError(
-                        f"{_OWNER}: constraint {c.name!r} (constraints[{i}]) "
+                        f"{OWNER}: constraint {c.name!r} (constraints[{i}]) "
                         f"has no fixed shape ({c.shape}); pass shape=.")
                 shapes.append(c.shape)
             init = rule.init_augmented_lagrangian(shapes, self.initial_penalty)
@@ -284,7 +262,7 @@ class AugmentedLagrangianMixin:
         if y_pred is None:
             names = [self._specs[i].name for i in outputs]
             raise ValueError(
-                f"{_OWNER}.lagrangian_loss: constraints {names} take "
+                f"{OWNER}.lagrangian_loss: constraints {names} take "
                 "(y_pred, batch); pass y_pred= (and batch=).")
         self._build_lagrangian()
         values = [self._specs[i].fn(y_pred, batch) for i in outputs]
@@ -310,13 +288,13 @@ class AugmentedLagrangianMixin:
         records the constraint values and runs the dual schedule."""
         grads, variables = list(grads), list(variables)
         if len(grads) != len(variables):
-            raise ValueError(f"{_OWNER}.apply: got {len(grads)} gradients for "
+            raise ValueError(f"{OWNER}.apply: got {len(grads)} gradients for "
                              f"{len(variables)} variables.")
         self._build_lagrangian()
         if any(c.takes_outputs for c in self._specs) and not self._outputs_recorded:
             names = [c.name for c in self._specs if c.takes_outputs]
             raise ValueError(
-                f"{_OWNER}: constraints {names} depend on model outputs but no "
+                f"{OWNER}: constraints {names} depend on model outputs but no "
                 "train step evaluated them: pass model= to the optimizer for "
                 "model.fit, or call optimizer.lagrangian_loss(loss, y_pred, "
                 "batch) inside your GradientTape.")
@@ -413,7 +391,7 @@ class AugmentedLagrangianMixin:
         recorded = config.pop("constraints", [])
         if constraints is None:
             raise ValueError(
-                f"{_OWNER}.from_config: constraint callables are not "
+                f"{OWNER}.from_config: constraint callables are not "
                 f"serialised; pass them again: from_config(config, "
                 f"constraints=[...]) for {[c['name'] for c in recorded]}.")
         inner = cls._inner_from_config(config, custom_objects)

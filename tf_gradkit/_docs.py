@@ -69,12 +69,13 @@ def wrong_optimizer(optimizer, flavour, wrapper="GradientAccumulator"):
         f"other flavour use tf_gradkit.{other}.{wrapper}.")
 
 
-def unexpected_kwargs(kwargs):
+def unexpected_kwargs(kwargs, wrapper="GradientAccumulator",
+                      accepted="optimizer, steps, reduction, model, epoch_end, "
+                               "nonfinite, name"):
     return (
-        f"GradientAccumulator: unexpected arguments {sorted(kwargs)}; accepted "
-        "are optimizer, steps, reduction, model, epoch_end, nonfinite, name. "
-        "Set learning rate, clipping, weight decay and EMA on the inner "
-        "optimizer.")
+        f"{wrapper}: unexpected arguments {sorted(kwargs)}; accepted are "
+        f"{accepted}. Set learning rate, clipping, weight decay and EMA on the "
+        "inner optimizer.")
 
 
 def wrong_model(model, accepted, wrapper="GradientAccumulator"):
@@ -167,12 +168,6 @@ Example:
   ...     {K}.optimizers.Adam(1e-3),
   ...     {{"dense/kernel": tf_gradkit.constraints.NonNeg()}}), loss="mse")
 """
-
-
-def projected_kwargs(kwargs):
-    return (f"Projected: unexpected arguments {sorted(kwargs)}; accepted are "
-            "optimizer, constraints, model, sparse_rows, name. Set learning "
-            "rate, clipping, weight decay and EMA on the inner optimizer.")
 
 
 def projected_accumulator(flavour):

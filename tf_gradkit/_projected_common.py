@@ -128,7 +128,6 @@ def project_within_support(constraint, value, mask):
 class ProjectedMixin:
     """The flavour-independent half of ``Projected``."""
 
-    _KERAS = None
 
     def _init_projected(self, optimizer, constraints, model, sparse_rows):
         validate_sparse_rows(sparse_rows)

@@ -24,7 +24,8 @@ class Projected(common.ProjectedMixin, _wrapping.Keras3WrapperMixin,
     def __init__(self, optimizer, constraints, model=None, sparse_rows="auto",
                  name=None, **kwargs):
         if kwargs:
-            raise TypeError(_docs.projected_kwargs(kwargs))
+            raise TypeError(_docs.unexpected_kwargs(
+                kwargs, "Projected", "optimizer, constraints, model, sparse_rows, name"))
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise TypeError(_docs.wrong_optimizer(optimizer, "keras3", "Projected"))
         if type(optimizer).__name__ == "GradientAccumulator":

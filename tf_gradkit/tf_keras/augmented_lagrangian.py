@@ -34,16 +34,16 @@ class AugmentedLagrangian(common.AugmentedLagrangianMixin, _wrapping.TfKerasWrap
                  initial_penalty=1.0, growth=10.0, max_penalty=1e3,
                  decrease=0.25, tolerance=1e-6, name=None, **kwargs):
         if kwargs:
-            raise TypeError(common.unexpected_kwargs(kwargs))
+            raise TypeError(_docs.unexpected_kwargs(kwargs, common.OWNER, common.ACCEPTED))
         specs = common.validate_arguments(constraints, dual_every, initial_penalty,
                                           growth, max_penalty, decrease,
                                           tolerance)
         if isinstance(optimizer, _LossScaleOptimizer):
             raise TypeError(common.loss_scale_inner())
         if not isinstance(optimizer, tf_keras.optimizers.Optimizer):
-            raise TypeError(common.wrong_optimizer(optimizer, "tf_keras"))
+            raise TypeError(_docs.wrong_optimizer(optimizer, "tf_keras", common.OWNER))
         if model is not None and not isinstance(model, tf_keras.Model):
-            raise TypeError(common.wrong_model(model, "tf_keras.Model"))
+            raise TypeError(_docs.wrong_model(model, "tf_keras.Model", common.OWNER))
         super().__init__(name=name or "augmented_lagrangian")
         self._init_lagrangian(optimizer, specs, model, dual_every,
                               initial_penalty, growth, max_penalty, decrease,

@@ -27,7 +27,8 @@ class Projected(common.ProjectedMixin, _wrapping.TfKerasWrapperMixin,
     def __init__(self, optimizer, constraints, model=None, sparse_rows="auto",
                  name=None, **kwargs):
         if kwargs:
-            raise TypeError(_docs.projected_kwargs(kwargs))
+            raise TypeError(_docs.unexpected_kwargs(
+                kwargs, "Projected", "optimizer, constraints, model, sparse_rows, name"))
         if not isinstance(optimizer, (tf_keras.optimizers.Optimizer,
                                       _LossScaleOptimizer)):
             raise TypeError(_docs.wrong_optimizer(optimizer, "tf_keras", "Projected"))
