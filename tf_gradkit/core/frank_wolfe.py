@@ -55,17 +55,17 @@ import re
 import numpy as np
 import tensorflow as tf
 
+from tf_gradkit.core import projections
+
 ORDS = ("fro", "nuclear", "l1", "linf", "k_sparse")
 
 _TINY = float(np.finfo(np.float32).tiny)
 
 
 def _wide(x):
-    """``x`` as float32 if it is half precision (norms and power iteration
-    overflow or lose the vector in bfloat16), else unchanged."""
-    if x.dtype in (tf.bfloat16, tf.float16):
-        return tf.cast(x, tf.float32)
-    return x
+    """``x`` in `projections.wide_dtype` (power iteration loses the vector
+    in bfloat16)."""
+    return tf.cast(x, projections.wide_dtype(x))
 
 
 def dense_gradient(g):

@@ -31,9 +31,10 @@ References:
 
 import tensorflow as tf
 
+from tf_gradkit.core import projections
 
-def _wide(x):
-    return tf.float32 if x.dtype in (tf.bfloat16, tf.float16) else x.dtype
+
+_wide = projections.wide_dtype
 
 
 def _spectral_bound(gram):

@@ -32,9 +32,15 @@ def project_box(x, lower, upper):
     return tf.minimum(tf.maximum(x, lower), upper)
 
 
+def wide_dtype(x):
+    """The dtype to compute norms and iterations of ``x`` in: float32 for
+    half precision (bfloat16/float16 norms overflow or lose digits), else
+    ``x``'s own."""
+    return tf.float32 if x.dtype in (tf.bfloat16, tf.float16) else x.dtype
+
+
 def _norm(x, axis):
-    # Computed in float32 at least, so bfloat16/float16 norms do not overflow.
-    wide = tf.float32 if x.dtype in (tf.bfloat16, tf.float16) else x.dtype
+    wide = wide_dtype(x)
     xw = tf.cast(x, wide)
     return tf.sqrt(tf.reduce_sum(tf.square(xw), axis=axis, keepdims=True)), wide
 
