@@ -176,14 +176,17 @@ def build_keras3_model(weights=None):
     return model
 
 
+CONTROLLER = "nielsen"
+
+
 def run_keras3(name, seed, epochs, weights, budget_seconds=None):
     import keras
     from tf_gradkit.keras3 import LevenbergMarquardt
     model = build_keras3_model(weights)
     fit_model = model
     if name in ("ours-jit", "ours-graph"):
-        model.compile(optimizer=LevenbergMarquardt(model), loss="mse",
-                      jit_compile=name == "ours-jit")
+        model.compile(optimizer=LevenbergMarquardt(model, controller=CONTROLLER),
+                      loss="mse", jit_compile=name == "ours-jit")
     elif name == "adam":
         model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=True)
         epochs = 100_000  # stopped by the time budget
@@ -363,7 +366,14 @@ def plot(results, path):
 def versions():
     import keras
     import tensorflow as tf
-    from importlib.metadata import version
+    from importlib import metadata
+
+    def version(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
     return (f"TensorFlow {tf.__version__}, Keras {keras.__version__}, tf_keras "
             f"{version('tf_keras')}, tf-levenberg-marquardt {version('tf-levenberg-marquardt')}, "
             f"Python {platform.python_version()}, {os.cpu_count()} CPUs")
@@ -378,6 +388,9 @@ def main():
                         help="start another seed only if the projected total stays below "
                              "this many seconds")
     parser.add_argument("--no-tf-keras", action="store_true")
+    parser.add_argument("--controller", default="nielsen",
+                        help="our damping controller (Keras 3 runs): nielsen (the "
+                             "optimizer's default) or trust_region")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--reshuffle", action="store_true",
                         help="reshuffle the examples every epoch (the peer's "
@@ -386,6 +399,8 @@ def main():
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     epochs = 10 if args.quick else args.epochs
+    global CONTROLLER
+    CONTROLLER = args.controller
     if args.tf_keras_worker:
         tf_keras_worker(args.tf_keras_worker, args.seed, epochs)
         return

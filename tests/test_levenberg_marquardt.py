@@ -9,7 +9,7 @@ from conftest import compile_fn
 from helpers import MATMUL_UNIT, max_abs_diff, mlp, regression_data, weights_of
 from tf_gradkit.core.lm import damping as damping_lib
 from tf_gradkit.core.lm import linearize as lin_lib
-from tf_gradkit.core.lm import solvers as solvers_lib
+from tf_gradkit.core.lm import linear_solvers as solvers_lib
 from tf_gradkit.core.lm import step as step_lib
 
 F64 = tf.float64
@@ -114,7 +114,7 @@ def _step(variables, residual_fn, solver="cholesky", max_attempts=10, initial=1e
     controller = damping_lib.Nielsen(initial=initial, floor=1e-300)
     scaling = damping_lib.Marquardt()
     solver = solvers_lib.SOLVERS[solver]()
-    lin = lin_lib.linearize(residual_fn, variables, solver.needs_jacobian, F64)
+    lin = lin_lib.linearize_as(solver.consumes, residual_fn, variables, F64)
     state = step_lib.init_state(controller, scaling, 2, F64)
     return step_lib.levenberg_marquardt_step(
         lin, lambda: 0.5 * tf.reduce_sum(tf.square(residual_fn())), variables,
@@ -474,7 +474,8 @@ def test_mirrored_strategy_equals_single_device(K, gk, mirrored, loss):
                                    rtol=32 * MATMUL_UNIT)
         # Continue both from the reference state.
         model.set_weights(ref.get_weights())
-        for mine, theirs in zip(model.optimizer._lm_vars, ref.optimizer._lm_vars):
+        for mine, theirs in zip(tf.nest.flatten(model.optimizer._lm_vars),
+                                tf.nest.flatten(ref.optimizer._lm_vars)):
             mine.assign(theirs)
 
 

@@ -13,7 +13,7 @@ from tf_gradkit.core.augmented_lagrangian import ConstraintSpec
 from tf_gradkit.core.augmented_lagrangian import Equality
 from tf_gradkit.core.augmented_lagrangian import Inequality
 from tf_gradkit.core.conditional_accumulator import ConditionalAccumulator
-from tf_gradkit.core.lm.solve import LeastSquaresResult, least_squares
+from tf_gradkit.core.lm.least_squares import LeastSquaresResult, least_squares
 
 __version__ = "0.1.0"
 

@@ -16,8 +16,8 @@ from tf_gradkit._algorithms.wrapper import unexpected_arguments
 from tf_gradkit.core.lm import damping as damping_lib
 from tf_gradkit.core.lm import ggn as ggn_lib
 from tf_gradkit.core.lm import linearize as lin_lib
-from tf_gradkit.core.lm import solve as solve_lib
-from tf_gradkit.core.lm import solvers as solvers_lib
+from tf_gradkit.core.lm import parts as parts_lib
+from tf_gradkit.core.lm import linear_solvers as solvers_lib
 from tf_gradkit.core.lm import step as step_lib
 
 USAGE = (
@@ -49,27 +49,24 @@ def validate_lm_arguments(max_attempts, chunk_size):
 
 
 def check_parts(scaling, solver):
-    """A matrix-free solver has no diag(J^T J) to scale the damping by."""
-    if getattr(solver, "matrix_free", False) and not isinstance(
-            scaling, damping_lib.Levenberg):
-        raise ValueError(
-            f"LevenbergMarquardt: solver={solve_lib.part_name(solver)!r} is "
-            "matrix-free and never forms diag(J^T J), so it needs "
-            "scaling='levenberg'. Received: "
-            f"scaling={solve_lib.part_name(scaling)!r}")
+    """A matrix-free solver has no diag(J^T J) for a scaling that needs it."""
+    parts_lib.check_parts(scaling, solver, "LevenbergMarquardt")
 
 
 def linearize_for(solver, residual_fn, variables, dtype, support=None):
-    """The linearisation a solver needs: matrix-free, with J, or J^T J only."""
-    if getattr(solver, "matrix_free", False):
-        if support is not None:
-            raise ValueError(
-                "LevenbergMarquardt: with pruning masks the step solves over the "
-                "unpruned weights only, which needs a formed J^T J or J "
-                "(solver='cholesky', 'qr' or 'dual'), not solver='cg'.")
-        return lin_lib.linearize_matrix_free(residual_fn, variables, dtype)
-    return lin_lib.linearize(residual_fn, variables, solver.needs_jacobian, dtype,
-                             support=support)
+    """The linearisation the solver consumes (`linear_solvers.FORMS`)."""
+    return lin_lib.linearize_as(solver.consumes, residual_fn, variables, dtype,
+                                support=support)
+
+
+def require_normal_equations(solver, why):
+    """Paths that sum ``J^T J`` (chunks, replicas, GGN) need a solver that
+    consumes only the normal equations."""
+    if solver.consumes != solvers_lib.NORMAL_EQUATIONS:
+        raise ValueError(
+            f"LevenbergMarquardt: {why}, so it needs a solver that works from "
+            "J^T J alone (solver='cholesky'). Received: "
+            f"solver={parts_lib.part_name(solver)!r}")
 
 
 class LevenbergMarquardt:
@@ -92,9 +89,12 @@ class LevenbergMarquardt:
       model: the model to train with ``fit`` (same Keras flavour); a model whose
         class overrides ``train_step`` is refused. After loading a saved
         model, ``attach(model)`` (or ``tf_gradkit.attach(model)``).
-      controller: damping rule, "nielsen" (default, gain-ratio) or
+      controller: damping rule, "nielsen" (default, gain-ratio),
+        "trust_region" (Moré's trust radius, `least_squares`'s default) or
         "multiply_divide" (MATLAB trainlm: x10 / x0.1), or an object from
-        ``tf_gradkit.core.lm``.
+        ``tf_gradkit.core.lm``. Nielsen stays the default here for speed: the
+        trust region fits lambda with several solves per attempt (2.1x the
+        time per step on the sinc benchmark, docs/levenberg_marquardt.md).
       scaling: "marquardt" (default, ``D^2`` = running max of diag(J^T J)) or
         "levenberg" (``D = I``).
       solver: "cholesky" (default, normal equations), "qr" (augmented system,
@@ -131,11 +131,11 @@ class LevenbergMarquardt:
             _model_hooks.check_model(self, model)
         validate_lm_arguments(max_attempts, chunk_size)
         self._init_base(name or "levenberg_marquardt")
-        self.controller = solve_lib.resolve_part(
+        self.controller = parts_lib.resolve_part(
             controller, damping_lib.CONTROLLERS, "controller")
-        self.scaling = solve_lib.resolve_part(scaling, damping_lib.SCALINGS,
+        self.scaling = parts_lib.resolve_part(scaling, damping_lib.SCALINGS,
                                               "scaling")
-        self.solver = solve_lib.resolve_part(solver, solvers_lib.SOLVERS, "solver")
+        self.solver = parts_lib.resolve_part(solver, solvers_lib.SOLVERS, "solver")
         check_parts(self.scaling, self.solver)
         self.max_attempts = max_attempts
         self.chunk_size = chunk_size
@@ -164,9 +164,13 @@ class LevenbergMarquardt:
         dtype = self._solve_dtype(var_list)
         num_params = sum(v.shape.num_elements() for v in var_list)
         init = step_lib.init_state(self.controller, self.scaling, num_params, dtype)
+        # Created in this order (damping, nu, scale): saved optimizers list
+        # their variables by position.
+        control = damping_lib.DampingState(
+            damping=self._new_variable((), dtype, "damping", init.control.damping),
+            nu=self._new_variable((), dtype, "nu", init.control.nu))
         self._lm_vars = step_lib.LMState(
-            damping=self._new_variable((), dtype, "damping", init.damping),
-            nu=self._new_variable((), dtype, "nu", init.nu),
+            control=control,
             scale=self._new_variable((num_params,), dtype, "scale", init.scale))
         # int64: TensorFlow keeps int32 variables in host memory on a GPU,
         # where a compiled step cannot reach them.
@@ -180,10 +184,10 @@ class LevenbergMarquardt:
         return tf.float64 if tf.float64 in dtypes else tf.float32
 
     def _read_state(self):
-        return step_lib.LMState(*[tf.convert_to_tensor(v) for v in self._lm_vars])
+        return tf.nest.map_structure(tf.convert_to_tensor, self._lm_vars)
 
     def _write_state(self, state, info):
-        for var, value in zip(self._lm_vars, state):
+        for var, value in zip(tf.nest.flatten(self._lm_vars), tf.nest.flatten(state)):
             var.assign(value)
         self._last_attempts.assign(tf.cast(info.attempts, tf.int64))
         self.iterations.assign_add(1)
@@ -191,7 +195,7 @@ class LevenbergMarquardt:
     @property
     def damping(self):
         """The current damping ``lambda``."""
-        return self._lm_vars.damping
+        return self._lm_vars.control.damping
 
     @property
     def last_attempts(self):
@@ -220,7 +224,7 @@ class LevenbergMarquardt:
             with tf.init_scope():
                 self.build(var_list)
         tf_vars = [self._tf_variable(v) for v in var_list]
-        dtype = self._lm_vars.damping.dtype
+        dtype = self._lm_vars.control.damping.dtype
         # Plain attribute (no Keras tracking): trace-time Python state.
         object.__setattr__(self, "_step_support", self._support(var_list, tf_vars))
         lin = linearize_for(self.solver, residual_fn, tf_vars, dtype,
@@ -284,7 +288,7 @@ class LevenbergMarquardt:
             with tf.init_scope():
                 self.build(variables)
         tf_vars = [self._tf_variable(v) for v in variables]
-        dtype = self._lm_vars.damping.dtype
+        dtype = self._lm_vars.control.damping.dtype
         support = self._support(variables, tf_vars)
         object.__setattr__(self, "_step_support", support)
 
@@ -310,12 +314,12 @@ class LevenbergMarquardt:
 
     def _fit_step_cross_entropy(self, model, x, y, sample_weight, y_pred, batch,
                                 tf_vars, dtype, kind, from_logits):
-        if (self.solver.needs_jacobian or self.chunk_size is not None
-                or getattr(self.solver, "matrix_free", False)):
+        if (self.solver.consumes != solvers_lib.NORMAL_EQUATIONS
+                or self.chunk_size is not None):
             raise ValueError(
                 "LevenbergMarquardt: cross-entropy losses use the generalised "
                 "Gauss-Newton matrix, which needs solver='cholesky' and "
-                f"chunk_size=None. Received: solver={solve_lib.part_name(self.solver)!r}, "
+                f"chunk_size=None. Received: solver={parts_lib.part_name(self.solver)!r}, "
                 f"chunk_size={self.chunk_size}")
 
         def example_weights(xb, wb):
@@ -352,17 +356,14 @@ class LevenbergMarquardt:
                                     tf_vars)
             attempts = info.attempts
         logs = dict(self._report(model, x, y, y_pred, sample_weight))
-        logs["damping"] = self._lm_vars.damping.read_value()
+        logs["damping"] = self._lm_vars.control.damping.read_value()
         logs["attempts"] = attempts
         return logs
 
     def _distributed_iterate(self, ctx, lin, local_cost, x, y, sample_weight,
                              tf_vars):
-        if lin.jtj is None or lin.jacobian is not None:
-            raise ValueError(
-                "LevenbergMarquardt under tf.distribute sums J^T J across "
-                "replicas, so it needs solver='cholesky'. Received: "
-                f"solver={solve_lib.part_name(self.solver)!r}")
+        require_normal_equations(
+            self.solver, "under tf.distribute it sums J^T J across replicas")
         jtj, jtr, cost = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
                                         [lin.jtj, lin.jtr, lin.cost])
 
@@ -386,11 +387,9 @@ class LevenbergMarquardt:
                               args=(jtj, jtr, cost, x, y, sample_weight))
 
     def _chunked(self, residuals, x, y, sample_weight, batch, tf_vars, dtype):
-        if self.solver.needs_jacobian or getattr(self.solver, "matrix_free", False):
-            raise ValueError(
-                "LevenbergMarquardt: `chunk_size` bounds memory by never holding "
-                "the whole Jacobian, so it needs solver='cholesky'. Received: "
-                f"solver={solve_lib.part_name(self.solver)!r}")
+        require_normal_equations(
+            self.solver, "`chunk_size` bounds memory by never holding the whole "
+            "Jacobian, only the sum of the chunks' J^T J")
         size = self.chunk_size
         num_chunks = (batch + size - 1) // size
 
@@ -419,9 +418,9 @@ class LevenbergMarquardt:
     def get_config(self):
         return {
             "name": self.name,
-            "controller": solve_lib.serialize_part(self.controller),
-            "scaling": solve_lib.serialize_part(self.scaling),
-            "solver": solve_lib.serialize_part(self.solver),
+            "controller": parts_lib.serialize_part(self.controller),
+            "scaling": parts_lib.serialize_part(self.scaling),
+            "solver": parts_lib.serialize_part(self.solver),
             "max_attempts": self.max_attempts,
             "chunk_size": self.chunk_size,
         }

@@ -19,10 +19,28 @@ import tensorflow as tf
 
 
 class DampingState(NamedTuple):
-    """``damping``: current lambda; ``nu``: Nielsen's growth factor."""
+    """``damping``: current lambda; ``nu``: the controller's second scalar
+    (Nielsen's growth factor, `TrustRegion`'s radius Delta)."""
 
     damping: tf.Tensor
     nu: tf.Tensor
+
+
+class Trial(NamedTuple):
+    """What one attempt measured, handed to ``accept``/``reject``.
+
+    ``rho``: gain ratio; ``scaled_norm``: ``|D d|``; ``actual``: cost before
+    minus cost after (``-inf``/NaN when the trial was not finite);
+    ``slope``: ``d . J^T r`` (the cost's directional derivative, < 0);
+    ``cost``, ``new_cost``: before and at the trial point.
+    """
+
+    rho: tf.Tensor
+    scaled_norm: tf.Tensor
+    actual: tf.Tensor
+    slope: tf.Tensor
+    cost: tf.Tensor
+    new_cost: tf.Tensor
 
 
 def _check_positive(owner, **values):
@@ -46,6 +64,12 @@ class _Controller:
         return DampingState(tf.constant(self.initial, dtype),
                             tf.constant(2.0, dtype))
 
+    def propose(self, solver, lin, state, d2, x):
+        """The damped step at the current damping: ``(step, ok, state)``."""
+        del x
+        step, ok = solver.solve(lin, state.damping, d2)
+        return step, ok, state
+
     def _clip(self, damping):
         return tf.clip_by_value(damping, tf.cast(self.floor, damping.dtype),
                                 tf.cast(self.ceiling, damping.dtype))
@@ -65,13 +89,15 @@ class Nielsen(_Controller):
     def __init__(self, initial=1e-3, floor=1e-15, ceiling=1e15):
         super().__init__(initial, floor, ceiling)
 
-    def accept(self, state, rho):
+    def accept(self, state, rho, trial=None):
+        del trial
         factor = tf.maximum(tf.constant(1.0 / 3.0, rho.dtype),
                             1.0 - tf.pow(2.0 * rho - 1.0, 3))
         return DampingState(self._clip(state.damping * factor),
                             tf.constant(2.0, state.nu.dtype))
 
-    def reject(self, state):
+    def reject(self, state, trial=None):
+        del trial
         return DampingState(self._clip(state.damping * state.nu), state.nu * 2.0)
 
 
@@ -89,11 +115,12 @@ class MultiplyDivide(_Controller):
                 f"Received: increase={increase}, decrease={decrease}")
         self.increase, self.decrease = increase, decrease
 
-    def accept(self, state, rho):
-        del rho
+    def accept(self, state, rho, trial=None):
+        del rho, trial
         return DampingState(self._clip(state.damping * self.decrease), state.nu)
 
-    def reject(self, state):
+    def reject(self, state, trial=None):
+        del trial
         return DampingState(self._clip(state.damping * self.increase), state.nu)
 
     def get_config(self):
@@ -101,8 +128,152 @@ class MultiplyDivide(_Controller):
                     decrease=self.decrease)
 
 
+class TrustRegion:
+    """Moré's trust-region control of the step, as in MINPACK ``lmder``.
+
+    The damping is not a state of its own: each iteration keeps a radius
+    Delta on the scaled step ``|D d|`` and picks lambda so the step fits it.
+    The Gauss-Newton step (lambda = 0) is taken whenever ``|D d| <= 1.1 Delta``;
+    otherwise lambda is found so that ``|D d(lambda)|`` is within 10% of Delta.
+    Moré finds it by Newton's method on ``1/|D d(lambda)|``, which is nearly
+    linear in lambda; the derivative needs a solve with the factor itself,
+    so here the same function is solved by a bracketed secant (Illinois)
+    that asks each linear solver only for its damped step, at most
+    ``max_solves`` of them (typically 2-4). After each attempt Delta moves by
+    Moré's rule from the gain ratio rho: ``rho <= 1/4`` shrinks it (by a
+    factor in [0.1, 0.5] from a quadratic fit of the cost along the step),
+    ``rho >= 3/4`` (or a Gauss-Newton step) sets ``Delta = 2 |D d|``.
+
+    Since lambda may reach 0, there is no damping floor for steps to crawl
+    at, and a far start is limited by Delta, not by a damping that must
+    first grow: the two failure modes of the plain gain-ratio rules on the
+    Moré-Garbow-Hillstrom problems from 10x and 100x their standard starts.
+
+    Args:
+      factor: the first radius is ``factor * |D x0|`` (``factor`` when
+        ``x0 = 0``), as MINPACK's ``factor`` (default 100).
+      max_solves: damped solves allowed to fit lambda to Delta per attempt.
+
+    Reference: J. J. Moré, "The Levenberg-Marquardt algorithm: implementation
+    and theory", Numerical Analysis, LNM 630, 1978.
+    """
+
+    def __init__(self, factor=100.0, max_solves=10):
+        _check_positive("TrustRegion", factor=factor)
+        if isinstance(max_solves, bool) or not isinstance(max_solves, int) \
+                or max_solves < 1:
+            raise ValueError("TrustRegion: `max_solves` must be an integer >= 1. "
+                             f"Received: max_solves={max_solves!r}")
+        self.factor, self.max_solves = factor, max_solves
+
+    def get_config(self):
+        return {"factor": self.factor, "max_solves": self.max_solves}
+
+    def init(self, dtype):
+        # radius <= 0: not set yet (set from x0 on the first step).
+        return DampingState(tf.constant(0.0, dtype), tf.constant(-1.0, dtype))
+
+    def propose(self, solver, lin, state, d2, x):
+        dtype = lin.jtr.dtype
+        scale = tf.sqrt(d2)
+        zero, one = tf.constant(0.0, dtype), tf.constant(1.0, dtype)
+        first = state.nu <= 0
+        x_norm = tf.norm(scale * x)
+        radius = tf.where(first, self.factor * tf.where(x_norm > 0, x_norm, one),
+                          state.nu)
+
+        def measure(lam):
+            step, ok = solver.solve(lin, lam, d2)
+            norm = tf.norm(scale * step)
+            ok = ok & tf.math.is_finite(norm)
+            return step, ok, tf.where(ok, norm, tf.constant(float("inf"), dtype))
+
+        gn_step, gn_ok, gn_norm = measure(zero)
+        gn_inside = gn_ok & (gn_norm <= 1.1 * radius)
+
+        def fit_lambda():
+            # psi(lambda) = 1/|D d| - 1/Delta rises through 0 at the wanted
+            # lambda; psi(0) < 0 (the Gauss-Newton step is too long) and
+            # |D d(hi)| <= |D^-1 J^T r| / hi = Delta, so [0, hi] brackets it.
+            hi = tf.norm(lin.jtr / scale) / radius
+            psi_lo = 1.0 / gn_norm - 1.0 / radius
+            guess = tf.norm(lin.jtr / scale) / gn_norm  # MINPACK's first guess
+            lam = tf.where(state.damping > 0, tf.minimum(state.damping, hi),
+                           tf.where(gn_ok & (guess > 0), guess, 1e-3 * hi))
+
+            def body(i, lam, lo, psi_lo, hi, psi_hi, has_hi, side, step, ok, norm,
+                     done, used):
+                del step, ok, norm, done, used
+                used = lam
+                step, ok, norm = measure(lam)
+                done = ok & (tf.abs(norm - radius) <= 0.1 * radius)
+                psi = 1.0 / norm - 1.0 / radius
+                left = psi < 0
+                # Illinois: an end kept twice in a row has its psi halved.
+                psi_hi = tf.where(left & (side < 0), 0.5 * psi_hi, psi_hi)
+                psi_lo = tf.where(~left & (side > 0), 0.5 * psi_lo, psi_lo)
+                lo, psi_lo = tf.where(left, lam, lo), tf.where(left, psi, psi_lo)
+                hi, psi_hi = tf.where(left, hi, lam), tf.where(left, psi_hi, psi)
+                has_hi = has_hi | ~left
+                side = tf.where(left, -one, one)
+                secant = lo - psi_lo * (hi - lo) / (psi_hi - psi_lo)
+                # One side known only: |D d| ~ c / lambda for large lambda.
+                ratio = tf.where(ok, lam * norm / radius, 10.0 * lam)
+                cand = tf.where(has_hi, secant, ratio)
+                inside = (cand > lo) & (cand < hi) & tf.math.is_finite(cand)
+                cand = tf.where(inside, cand, tf.maximum(tf.sqrt(lo * hi), 1e-3 * hi))
+                return (i + 1, cand, lo, psi_lo, hi, psi_hi, has_hi, side, step,
+                        ok, norm, done, used)
+
+            out = tf.while_loop(
+                lambda i, *rest: (i < self.max_solves) & ~rest[-2], body,
+                (tf.constant(0), lam, zero, psi_lo, hi, zero, tf.constant(False),
+                 zero, tf.zeros_like(lin.jtr), tf.constant(False),
+                 zero, tf.constant(False), zero),
+                maximum_iterations=self.max_solves)
+            step, ok, norm, used = out[8], out[9], out[10], out[12]
+            return step, ok, used, norm
+
+        step, ok, lam, norm = tf.cond(
+            gn_inside, lambda: (gn_step, gn_ok, zero, gn_norm), fit_lambda)
+        # MINPACK: on the first iteration the radius is cut to the first step.
+        radius = tf.where(first & ok, tf.minimum(radius, norm), radius)
+        return step, ok, DampingState(lam, radius)
+
+    def accept(self, state, rho, trial=None):
+        return self._update(state, trial, rho)
+
+    def reject(self, state, trial=None):
+        return self._update(state, trial, tf.zeros_like(state.nu))
+
+    @staticmethod
+    def _update(state, trial, rho):
+        lam, radius = state.damping, state.nu
+        norm = tf.where(tf.math.is_finite(trial.scaled_norm), trial.scaled_norm,
+                        radius)
+        # rho <= 1/4: shrink, by the minimiser of the quadratic through the
+        # cost and its slope at the start and the cost at the trial point,
+        # kept within [0.1, 0.5] (0.1 when the cost blew up 100-fold).
+        actual = trial.actual
+        quad = 0.5 * trial.slope / (trial.slope + 0.5 * actual)
+        temp = tf.where(actual >= 0, tf.constant(0.5, lam.dtype), quad)
+        blown = ~(trial.new_cost < 100.0 * trial.cost)  # NaN counts as blown
+        temp = tf.where(blown | ~(temp >= 0.1), tf.constant(0.1, lam.dtype), temp)
+        temp = tf.minimum(temp, tf.constant(0.5, lam.dtype))
+        shrink = DampingState(lam / temp, temp * tf.minimum(radius, 10.0 * norm))
+        grow = DampingState(0.5 * lam, 2.0 * norm)
+        keep = DampingState(lam, radius)
+        small = rho <= 0.25
+        big = (rho >= 0.75) | tf.equal(lam, 0.0)
+        return tf.nest.map_structure(
+            lambda s, g, k: tf.where(small, s, tf.where(big, g, k)),
+            shrink, grow, keep)
+
+
 class Levenberg:
     """``D^2 = I``: plain ridge damping (invariant to nothing, simple)."""
+
+    needs_diagonal = False  # works with matrix-free solvers
 
     def get_config(self):
         return {}
@@ -120,18 +291,31 @@ class Levenberg:
 
 
 class Marquardt:
-    """``D^2 = diag(J^T J)``, kept monotone (``max`` over iterations) as in
-    MINPACK: invariant to parameter scaling, and a parameter whose column
-    vanishes temporarily keeps a positive damping."""
+    """``D^2 = diag(J^T J)``: invariant to parameter scaling.
+
+    Args:
+      monotone: keep the running max over iterations, as MINPACK does (a
+        parameter whose column vanishes temporarily keeps a positive
+        damping); False: the current diagonal only, so huge column norms from
+        a far start do not keep shrinking later steps.
+    """
+
+    needs_diagonal = True  # reads diag(J^T J)
+
+    def __init__(self, monotone=True):
+        if not isinstance(monotone, bool):
+            raise ValueError("Marquardt: `monotone` must be True or False. "
+                             f"Received: monotone={monotone!r}")
+        self.monotone = monotone
 
     def get_config(self):
-        return {}
+        return {"monotone": self.monotone}
 
     def init(self, num_params, dtype):
         return tf.zeros([num_params], dtype)
 
     def update(self, scale, jtj_diag):
-        return tf.maximum(scale, jtj_diag)
+        return tf.maximum(scale, jtj_diag) if self.monotone else jtj_diag
 
     def diagonal(self, scale, jtj_diag):
         del jtj_diag
@@ -140,5 +324,6 @@ class Marquardt:
         return tf.maximum(scale, tiny)
 
 
-CONTROLLERS = {"nielsen": Nielsen, "multiply_divide": MultiplyDivide}
+CONTROLLERS = {"nielsen": Nielsen, "multiply_divide": MultiplyDivide,
+               "trust_region": TrustRegion}
 SCALINGS = {"levenberg": Levenberg, "marquardt": Marquardt}

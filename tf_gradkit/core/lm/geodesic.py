@@ -26,7 +26,7 @@ algorithm for nonlinear least-squares minimization", arXiv:1201.5885, 2012.
 import tensorflow as tf
 
 from tf_gradkit.core.lm import linearize as lin_lib
-from tf_gradkit.core.lm.solvers import Linearization
+from tf_gradkit.core.lm.linear_solvers import Linearization
 
 
 class GeodesicAcceleration:

@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from tf_gradkit.core import precision
 from tf_gradkit.core.lm import linearize as lin_lib
-from tf_gradkit.core.lm.solvers import Linearization
+from tf_gradkit.core.lm.linear_solvers import Linearization
 
 LOSSES = ("categorical", "sparse_categorical", "binary")
 

@@ -24,7 +24,8 @@ from typing import NamedTuple
 import tensorflow as tf
 
 from tf_gradkit.core import precision
-from tf_gradkit.core.lm.solvers import Linearization
+from tf_gradkit.core.lm import linear_solvers
+from tf_gradkit.core.lm.linear_solvers import Linearization
 
 
 class Support(NamedTuple):
@@ -150,6 +151,24 @@ def normal_equations(jacobian, residuals):
     p = tf.shape(jacobian)[1]
     gram = precision.gram(tf.concat([jacobian, residuals[:, None]], axis=1))
     return gram[:p, :p], gram[:p, p]
+
+
+def linearize_as(form, residual_fn, variables, dtype, mode="auto", support=None):
+    """The linearisation of ``form`` (a solver's ``consumes``, one of
+    `linear_solvers.FORMS`) at the current variables."""
+    if form == linear_solvers.MATRIX_FREE:
+        if support is not None:
+            raise ValueError(
+                "Levenberg-Marquardt: with pruning masks the step solves over the "
+                "unpruned weights only, which needs a formed J^T J or J "
+                "(solver='cholesky', 'qr' or 'dual'), not a matrix-free solver "
+                "such as solver='cg'.")
+        return linearize_matrix_free(residual_fn, variables, dtype)
+    if form not in linear_solvers.FORMS:
+        raise ValueError(f"A linear solver's `consumes` must be one of "
+                         f"{linear_solvers.FORMS}. Received: {form!r}")
+    return linearize(residual_fn, variables, form == linear_solvers.JACOBIAN,
+                     dtype, mode, support)
 
 
 def linearize_matrix_free(residual_fn, variables, dtype):

@@ -17,16 +17,21 @@ import tensorflow as tf
 from tf_gradkit.core import precision
 from tf_gradkit.core.lm import damping as damping_lib
 from tf_gradkit.core.lm import linearize as lin_lib
-from tf_gradkit.core.lm import solvers as solvers_lib
+from tf_gradkit.core.lm import linear_solvers as solvers_lib
 
 
 class LMState(NamedTuple):
-    """Carried between iterations: damping controller state and the damping
-    scaling's memory (MINPACK-style running max of diag(J^T J))."""
+    """Carried between iterations: the damping controller's `DampingState`
+    and the damping scaling's memory (MINPACK-style running max of
+    diag(J^T J))."""
 
-    damping: tf.Tensor
-    nu: tf.Tensor
+    control: damping_lib.DampingState
     scale: tf.Tensor
+
+    @property
+    def damping(self):
+        """The current lambda."""
+        return self.control.damping
 
 
 class StepInfo(NamedTuple):
@@ -39,11 +44,11 @@ class StepInfo(NamedTuple):
     rho: tf.Tensor
     predicted: tf.Tensor     # model decrease L(0) - L(d) of the last attempt
     first_step_norm: tf.Tensor  # |d| of the first (least damped) attempt
+    last_step_norm: tf.Tensor   # |d| of the last attempt
 
 
 def init_state(controller, scaling, num_params, dtype):
-    dstate = controller.init(dtype)
-    return LMState(dstate.damping, dstate.nu, scaling.init(num_params, dtype))
+    return LMState(controller.init(dtype), scaling.init(num_params, dtype))
 
 
 def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
@@ -86,28 +91,42 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
     if support is not None:  # padding: a positive diagonal, a zero step
         d2 = tf.where(support.valid, d2, tf.ones_like(d2))
 
+    x_flat = lin_lib.flatten(x0, dtype)
+    if support is not None:
+        x_flat = tf.where(support.valid, tf.gather(x_flat, support.indices),
+                          tf.zeros_like(d2))
+    root_d2 = tf.sqrt(d2)
+
     def attempt(i, accepted, damping, nu, new_cost, step_norm, rho, predicted,
                 first_norm):
         del accepted, new_cost, step_norm, rho, predicted
-        step, ok = solver.solve(lin, damping, d2)
+        step, ok, dstate = controller.propose(
+            solver, lin, damping_lib.DampingState(damping, nu), d2, x_flat)
         step = tf.where(ok, step, tf.zeros_like(step))
         if geodesic is not None:
-            step, accel_ok = geodesic.correct(lin, step, damping, d2, solver,
-                                              variables, x0)
+            step, accel_ok = geodesic.correct(lin, step, dstate.damping, d2,
+                                              solver, variables, x0)
             ok = ok & accel_ok
             step = tf.where(ok, step, tf.zeros_like(step))
         full = lin_lib.to_full(step, support, num_params)
         for v, v0, d in zip(variables, x0, lin_lib.unflatten(full, variables)):
             v.assign(v0 + d)
         trial = tf.cast(cost_fn(), dtype)
-        predicted = -precision.dot(step, lin.jtr) - 0.5 * precision.dot(
+        slope = precision.dot(step, lin.jtr)
+        predicted = -slope - 0.5 * precision.dot(
             step, solvers_lib.gauss_newton_matvec(lin, step))
         rho = (lin.cost - trial) / tf.where(predicted > 0, predicted,
                                             tf.ones_like(predicted))
         good = ok & tf.math.is_finite(trial) & (predicted > 0) & (rho > 0)
-        dstate = damping_lib.DampingState(damping, nu)
-        dstate = tf.cond(good, lambda: controller.accept(dstate, rho),
-                         lambda: controller.reject(dstate))
+        measured = damping_lib.Trial(
+            rho=tf.where(good, rho, tf.zeros_like(rho)),
+            scaled_norm=tf.where(ok, tf.norm(root_d2 * step),
+                                 tf.constant(float("inf"), dtype)),
+            actual=tf.where(ok, lin.cost - trial, tf.constant(float("-inf"), dtype)),
+            slope=slope, cost=lin.cost,
+            new_cost=tf.where(ok, trial, tf.constant(float("inf"), dtype)))
+        dstate = tf.cond(good, lambda: controller.accept(dstate, rho, measured),
+                         lambda: controller.reject(dstate, measured))
         norm = tf.norm(step)
         return (i + 1, good, dstate.damping, dstate.nu,
                 tf.where(good, trial, lin.cost), norm, rho, predicted,
@@ -118,7 +137,7 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
      first_norm) = tf.while_loop(
         lambda i, accepted, *_: (i < max_attempts) & tf.logical_not(accepted),
         attempt,
-        (tf.constant(0), tf.constant(False), state.damping, state.nu,
+        (tf.constant(0), tf.constant(False), state.control.damping, state.control.nu,
          lin.cost, zero, zero, zero, zero),
         maximum_iterations=max_attempts)
 
@@ -135,5 +154,6 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
     info = StepInfo(cost=lin.cost, new_cost=new_cost, accepted=accepted,
                     attempts=attempts, step_norm=tf.where(accepted, step_norm, zero),
                     gradient_norm=tf.reduce_max(tf.abs(lin.jtr)), rho=rho,
-                    predicted=predicted, first_step_norm=first_norm)
-    return LMState(damping, nu, scale), info
+                    predicted=predicted, first_step_norm=first_norm,
+                    last_step_norm=step_norm)
+    return LMState(damping_lib.DampingState(damping, nu), scale), info

@@ -27,13 +27,21 @@ import tensorflow as tf
 from tf_gradkit.core import precision
 
 
+# What a linear solver consumes (its ``consumes`` ability), which decides how
+# the problem is linearised (`linearize.linearize_as`):
+NORMAL_EQUATIONS = "normal_equations"  # J^T J and J^T r (sums over rows/replicas)
+JACOBIAN = "jacobian"                  # J and r themselves (and the above)
+MATRIX_FREE = "matrix_free"            # J^T r and v -> J^T J v, nothing P x P
+FORMS = (NORMAL_EQUATIONS, JACOBIAN, MATRIX_FREE)
+
+
 class Linearization(NamedTuple):
     """The model linearised at the current parameters.
 
     ``residuals`` [N] and ``jacobian`` [N, P] are present only when the solver
-    asked for them (``needs_jacobian``); ``jtr`` [P] always; ``jtj`` [P, P]
-    unless the linearisation is matrix-free, in which case ``matvec(v)``
-    computes ``J^T J v``.
+    consumes `JACOBIAN`; ``jtr`` [P] always; ``jtj`` [P, P] unless the
+    linearisation is `MATRIX_FREE`, in which case ``matvec(v)`` computes
+    ``J^T J v``.
     """
 
     cost: tf.Tensor
@@ -56,6 +64,11 @@ def _finite(x):
 
 
 class _Solver:
+    """A linear solver part. ``consumes``: the linearisation form it solves
+    from (one of `FORMS`)."""
+
+    consumes = NORMAL_EQUATIONS
+
     def get_config(self):
         return {}
 
@@ -63,7 +76,7 @@ class _Solver:
 class Cholesky(_Solver):
     """Cholesky factorisation of ``J^T J + lambda D^2``."""
 
-    needs_jacobian = False
+    consumes = NORMAL_EQUATIONS
 
     def solve(self, lin, damping, d2):
         a = lin.jtj + tf.linalg.diag(damping * d2)
@@ -79,7 +92,7 @@ class Cholesky(_Solver):
 class QR(_Solver):
     """Householder QR of the augmented system ``[J; sqrt(lambda) D]``."""
 
-    needs_jacobian = True
+    consumes = JACOBIAN
 
     def solve(self, lin, damping, d2):
         p = tf.shape(lin.jtr)[0]
@@ -95,7 +108,7 @@ class QR(_Solver):
 class NormalEquationsDual(_Solver):
     """The ``J J^T`` form, for problems with fewer residuals than parameters."""
 
-    needs_jacobian = True
+    consumes = JACOBIAN
 
     def solve(self, lin, damping, d2):
         jd = lin.jacobian / d2[None, :]                      # J D^-2
@@ -121,8 +134,7 @@ class ConjugateGradient(_Solver):
         the right-hand side's norm.
     """
 
-    needs_jacobian = False
-    matrix_free = True
+    consumes = MATRIX_FREE
 
     def __init__(self, max_iterations=50, tolerance=1e-6):
         if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) \
