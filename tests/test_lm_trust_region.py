@@ -161,8 +161,10 @@ def test_rejected_attempts_shrink_the_radius_until_one_is_accepted():
 
 # MGH problems from starts where the gain-ratio rule (Nielsen, floor 1e-15)
 # crawls for 1000 iterations and the trust region solves them: Meyer's
-# exponential from 10x its start, Brown's almost-linear function from 100x.
-FAR_STARTS = [("meyer", 10), ("brown_almost_linear_10", 100), ("bard", 100)]
+# exponential from 10x and 100x its start, Brown's almost-linear function
+# from 100x. (Bard from 100x reaches the paper's f = 17.43 too, but that is a
+# limit at infinity, where the solve rightly reports a stall.)
+FAR_STARTS = [("meyer", 10), ("meyer", 100), ("brown_almost_linear_10", 100)]
 
 
 @pytest.mark.parametrize("name,factor", FAR_STARTS)
@@ -177,7 +179,8 @@ def test_default_least_squares_solves_far_starts(name, factor):
     assert any(abs(f - m.f) <= 1e-6 * m.f if m.f > 0 else f <= 1e-10
                for m in problem.minima), (f, result.reason)
     assert bool(result.converged), result.reason
-    assert float(result.optimality) <= 1e-3
+    if f > 1e-10:  # with zero residuals r is round-off and so is its direction
+        assert float(result.optimality) <= 1e-3
 
 
 def test_tolerance_stop_far_from_a_minimum_is_reported_not_converged():

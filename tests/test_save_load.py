@@ -155,7 +155,8 @@ def test_lagrangian_with_a_lambda_cannot_be_saved_silently(K, gk, tmp_path):
 
 
 def test_every_constructor_argument_survives_get_config(K, gk):
-    from tf_gradkit.core.lm import damping, solvers  # noqa: PLC0415
+    from tf_gradkit.core.lm import damping  # noqa: PLC0415
+    from tf_gradkit.core.lm import linear_solvers as solvers  # noqa: PLC0415
     lm = gk.LevenbergMarquardt(
         controller=damping.MultiplyDivide(initial=0.3, increase=7.0, decrease=0.2,
                                           floor=1e-9, ceiling=1e9),
@@ -167,6 +168,12 @@ def test_every_constructor_argument_survives_get_config(K, gk):
     assert vars(clone.controller) == vars(lm.controller)
     assert (clone.solver.max_iterations, clone.solver.tolerance) == (17, 1e-4)
     assert clone.max_attempts == 6 and clone.name == "lm"
+    lm = gk.LevenbergMarquardt(
+        controller=damping.TrustRegion(factor=7.0, max_solves=4),
+        scaling=damping.Marquardt(monotone=False))
+    clone = type(lm).from_config(lm.get_config())
+    assert vars(clone.controller) == {"factor": 7.0, "max_solves": 4}
+    assert clone.scaling.monotone is False
 
     acc = gk.GradientAccumulator(K.optimizers.SGD(0.3, momentum=0.5), 5,
                                  reduction="sum", epoch_end="drop", nonfinite="raise",
