@@ -214,3 +214,19 @@ def test_minimum_with_nonzero_residuals_is_converged():
     assert float(x[0]) == pytest.approx(1.0, abs=3e-8)
     assert float(result.optimality) <= 3e-8
     assert float(result.cost) == pytest.approx(1.0, rel=1e-14)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"factor": 0.0}, "`factor` must be a positive number. Received: factor=0.0"),
+    ({"max_solves": 0}, "`max_solves` must be an integer >= 1. Received: max_solves=0"),
+    ({"max_solves": 2.5}, "Received: max_solves=2.5"),
+])
+def test_trust_region_bad_arguments_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        damping_lib.TrustRegion(**kwargs)
+
+
+def test_marquardt_monotone_must_be_a_bool():
+    with pytest.raises(ValueError, match="`monotone` must be True or False. "
+                                         "Received: monotone='no'"):
+        damping_lib.Marquardt(monotone="no")
