@@ -72,6 +72,8 @@ def sinc_data():
 
 
 RESHUFFLE = "--reshuffle" in sys.argv
+CONTROLLER = "nielsen"
+SOLVE_KERNEL = "auto"
 
 
 def make_dataset(seed):
@@ -176,8 +178,6 @@ def build_keras3_model(weights=None):
     return model
 
 
-CONTROLLER = "nielsen"
-
 
 def run_keras3(name, seed, epochs, weights, budget_seconds=None):
     import keras
@@ -196,8 +196,10 @@ def run_keras3(name, seed, epochs, weights, budget_seconds=None):
         fit_model.compile(optimizer=keras.optimizers.SGD(learning_rate=1.0),
                           loss=lm.loss.MeanSquaredError())
     recorder = make_recorder(keras.callbacks.Callback, model, budget_seconds)
+    from tf_gradkit.core import spd
     start = time.perf_counter()
-    fit_model.fit(make_dataset(seed), epochs=epochs, verbose=0, callbacks=[recorder])
+    with spd.use_kernel(SOLVE_KERNEL):  # the step is traced inside fit
+        fit_model.fit(make_dataset(seed), epochs=epochs, verbose=0, callbacks=[recorder])
     return summarize(name, recorder, time.perf_counter() - start, model)
 
 
@@ -312,6 +314,20 @@ def summary_lines(per_seed, epochs):
             f"{len(speed)} seeds; final MSE <= peer's: {sum(m <= 1 for m in mse)}/{len(mse)} "
             f"seeds; Adam's MSE >= 100x ours: {sum(a >= 100 for a in adam)}/{len(adam)} seeds.",
             ""]
+    finals = {name: [r[name]["final_mse"] for r in per_seed.values()
+                     if name in r and "error" not in r[name]]
+              for name in ("ours-jit", "ours-graph", "peer", "ours-tfk")}
+    finals = {k: v for k, v in finals.items() if v}
+    if finals:
+        lines += ["Final MSE over seeds, per contender (median [min-max]; the seeds' "
+                  "spread is the yardstick for any per-seed ratio):", "",
+                  "| contender | seeds | final MSE |", "|---|---:|---:|"]
+        lines += [f"| {LABELS[k]} | {len(v)} | {ratio_text(v)} |" for k, v in finals.items()]
+        lines.append("")
+    if jit_mse and not step:
+        lines += [f"Final MSE under XLA no worse than without it (within 2x): "
+                  f"{sum(r <= 2 for r in jit_mse)}/{len(jit_mse)} seeds; ours-graph ms/step / "
+                  f"ours-jit ms/step {ratio_text(jit_vs_graph)}.", ""]
     if step and jit_vs_graph:
         lines += [
             "Targets of the GPU issue (CPU here; docs/gpu_and_xla.md for the GPU): "
@@ -323,6 +339,11 @@ def summary_lines(per_seed, epochs):
             f"{sum(r <= 2 for r in jit_mse)}/{len(jit_mse)} seeds.",
             ""]
     return lines
+
+
+def has_matplotlib():
+    import importlib.util
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def plot(results, path):
@@ -391,6 +412,15 @@ def main():
     parser.add_argument("--controller", default="nielsen",
                         help="our damping controller (Keras 3 runs): nielsen (the "
                              "optimizer's default) or trust_region")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated contenders to run (of "
+                             + ",".join(LABELS) + "), e.g. ours-jit,ours-graph with "
+                             "many --seeds to compare the final MSE with and without XLA")
+    parser.add_argument("--solve-kernel", default="auto",
+                        choices=("auto", "loop", "library"),
+                        help="our positive definite solve (Keras 3 runs): auto (the "
+                             "default choice), or force tf_gradkit.core.spd's loop or "
+                             "tf.linalg.cholesky (XLA's expansion under jit on a CPU)")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--reshuffle", action="store_true",
                         help="reshuffle the examples every epoch (the peer's "
@@ -399,8 +429,13 @@ def main():
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     epochs = 10 if args.quick else args.epochs
-    global CONTROLLER
-    CONTROLLER = args.controller
+    only = None if args.only is None else set(args.only.split(","))
+    if only is not None and (not only <= set(LABELS) or ("adam" in only
+                                                         and "ours-jit" not in only)):
+        parser.error(f"--only: names must be among {sorted(LABELS)} (adam needs "
+                     f"ours-jit). Received: {args.only!r}")
+    global CONTROLLER, SOLVE_KERNEL
+    CONTROLLER, SOLVE_KERNEL = args.controller, args.solve_kernel
     if args.tf_keras_worker:
         tf_keras_worker(args.tf_keras_worker, args.seed, epochs)
         return
@@ -423,6 +458,8 @@ def main():
         results = {}
         for name in ("ours-jit", "ours-graph", "peer", "adam", "ours-tfk"):
             if name == "ours-tfk" and args.no_tf_keras:
+                continue
+            if only is not None and name not in only:
                 continue
             print(f"seed {seed}: {LABELS[name]} ...", flush=True)
             try:
@@ -448,7 +485,11 @@ def main():
                       f"{res['final_mse']:.3e}", flush=True)
         per_seed[seed] = results
         seed_seconds.append(time.perf_counter() - seed_start)
-        if seed == 0 and not args.no_plot:
+        if only is not None:
+            pass
+        elif seed == 0 and not args.no_plot and not has_matplotlib():
+            print("matplotlib is not installed: no plot (pip install matplotlib)")
+        elif seed == 0 and not args.no_plot:
             plot_path = os.path.join(ROOT, "docs", "levenberg_marquardt_sinc.png")
             plot(results, plot_path)
             print(f"wrote {plot_path}", flush=True)
@@ -456,7 +497,8 @@ def main():
     total = time.perf_counter() - run_start
     lines = ["# Levenberg-Marquardt on sinc(10x): ours vs tf-levenberg-marquardt vs Adam", "",
              f"{versions()}. {epochs} epochs, batch {BATCH}, {NUM_POINTS} points, "
-             f"1-20-1 tanh MLP (61 parameters). {len(per_seed)} seed(s). Load average "
+             f"1-20-1 tanh MLP (61 parameters). {len(per_seed)} seed(s). Our controller "
+             f"{CONTROLLER!r}, positive definite solve kernel {SOLVE_KERNEL!r}. Load average "
              f"(1 min) {load_start[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end; the "
              f"`load` column is taken when each contender finished. Total run "
              f"{total:.0f} s.", "",

@@ -1,0 +1,146 @@
+"""Solves with a symmetric positive definite matrix, fast under XLA on a CPU.
+
+Why: XLA has no Cholesky kernel for the CPU; it expands ``tf.linalg.cholesky``
+into a generic blocked loop that is 10-20x slower than TensorFlow's own CPU
+kernel. Measured here (2-core CPU, TF 2.21, float32, per factorisation inside
+a compiled loop): n = 61: XLA 0.52 ms, TF's kernel without XLA 0.028 ms;
+n = 128: 5.7 ms; n = 512: 29 ms. For Levenberg-Marquardt on a 61-parameter
+network that expansion was a third of a compiled step.
+
+What this module does (a trace-time choice, nothing at run time):
+
+- under XLA (``jit_compile=True``) with only CPUs visible, for static sizes up
+  to `LOOP_MAX_SIZE`, `solve` runs an outer-product (right-looking) Cholesky
+  as one ``tf.while_loop`` of rank-1 updates over the matrix augmented with
+  the right-hand sides, so the forward substitution comes out of the same
+  loop, then a second loop for the back substitution. Measured: n = 61 0.037
+  ms, n = 128 0.18 ms, n = 512 9.4 ms per factorisation. It does ``n^3``
+  multiply-adds (the textbook order does ``n^3 / 3``), which stops paying
+  above a few hundred;
+- everywhere else (GPUs and TPUs have their own kernels; TensorFlow without
+  XLA has its LAPACK-style one) it is ``tf.linalg.cholesky`` and
+  ``tf.linalg.cholesky_solve``.
+
+Both report failure the same way: ``ok`` is False when a pivot is not
+positive or anything is not finite, and the returned solution is then zeros
+(never NaN), so callers can ``tf.where`` on ``ok`` and raise their damping.
+
+``use_kernel(mode)`` overrides the choice ("auto", "loop" or "library") for a
+block of code; tests use it to check both kernels against each other.
+"""
+
+import contextlib
+import threading
+
+import tensorflow as tf
+from tensorflow.python.framework import ops as _ops
+from tensorflow.python.ops import control_flow_util as _cf_util
+
+LOOP_MAX_SIZE = 512
+_MODES = ("auto", "loop", "library")
+_STATE = threading.local()
+
+
+@contextlib.contextmanager
+def use_kernel(mode):
+    """Forces the kernel `solve` picks while tracing: "auto", "loop" or
+    "library"."""
+    if mode not in _MODES:
+        raise ValueError(f"use_kernel: `mode` must be one of {_MODES}. "
+                         f"Received: mode={mode!r}")
+    previous = getattr(_STATE, "mode", "auto")
+    _STATE.mode = mode
+    try:
+        yield
+    finally:
+        _STATE.mode = previous
+
+
+def _in_xla():
+    return _cf_util.GraphOrParentsInXlaContext(_ops.get_default_graph())
+
+
+def _only_cpus():
+    return all(d.device_type == "CPU" for d in tf.config.list_logical_devices())
+
+
+def uses_loop(size):
+    """Whether `solve` of a ``size`` x ``size`` system traced here runs the
+    loop kernel."""
+    mode = getattr(_STATE, "mode", "auto")
+    if mode != "auto":
+        return mode == "loop" and size is not None
+    return (size is not None and size <= LOOP_MAX_SIZE and _in_xla()
+            and _only_cpus())
+
+
+def solve(a, rhs):
+    """Solves ``a x = rhs`` for symmetric positive definite ``a``.
+
+    Args:
+      a: [n, n] float tensor (only its lower triangle is read by the library
+        kernel; the loop kernel reads it whole and expects symmetry).
+      rhs: [n, k] float tensor.
+
+    Returns:
+      ``(x, ok)``: the [n, k] solution (zeros when not ``ok``) and a bool
+      scalar, False when ``a`` is not numerically positive definite or a
+      value is not finite.
+    """
+    n = a.shape[0]
+    if uses_loop(n):
+        x, ok = _loop_solve(a, rhs)
+    else:
+        x, ok = _library_solve(a, rhs)
+    ok = tf.logical_and(ok, tf.reduce_all(tf.math.is_finite(x)))
+    return tf.where(ok, x, tf.zeros_like(x)), ok
+
+
+def _library_solve(a, rhs):
+    chol = tf.linalg.cholesky(a)
+    # On failure the factor holds NaNs (XLA does not raise): report it.
+    ok = tf.logical_and(tf.reduce_all(tf.math.is_finite(chol)),
+                        tf.reduce_all(tf.linalg.diag_part(chol) > 0))
+    safe = tf.where(ok, chol, tf.eye(tf.shape(a)[0], dtype=a.dtype))
+    return tf.linalg.cholesky_solve(safe, rhs), ok
+
+
+def _loop_solve(a, rhs):
+    """Outer-product Cholesky of ``[[a, rhs], [rhs^T, 0]]`` over its first n
+    pivots: row j of the result is row j of ``R = L^T`` followed by row j of
+    ``L^-1 rhs``; then back substitution ``R x = L^-1 rhs``, row by row."""
+    n, k = a.shape[0], rhs.shape[1]
+    dtype = a.dtype
+    top = tf.concat([a, rhs], axis=1)
+    bottom = tf.concat([tf.transpose(rhs), tf.zeros([k, k], dtype)], axis=1)
+    augmented = tf.concat([top, bottom], axis=0)
+    index = tf.range(n + k)
+
+    def factor(j, trailing, rows, min_pivot):
+        row = trailing[j]
+        pivot = row[j]
+        scaled = tf.where(index >= j, row, tf.zeros_like(row)) / tf.sqrt(pivot)
+        trailing = trailing - scaled[:, None] * scaled[None, :]
+        rows = tf.where(tf.equal(index, j)[:, None], scaled[None, :], rows)
+        return j + 1, trailing, rows, tf.minimum(min_pivot, pivot)
+
+    _, _, rows, min_pivot = tf.while_loop(
+        lambda j, *_: j < n, factor,
+        (tf.constant(0), augmented, tf.zeros_like(augmented),
+         tf.constant(float("inf"), dtype)),
+        maximum_iterations=n)
+    upper = rows[:n, :n]        # R = L^T
+    forward = rows[:n, n:]      # L^-1 rhs
+    row_index = tf.range(n)
+
+    def back(step, x):
+        j = n - 1 - step
+        r = upper[j]
+        value = (forward[j] - tf.reduce_sum(r[:, None] * x, axis=0)) / r[j]
+        x = tf.where(tf.equal(row_index, j)[:, None], value[None, :], x)
+        return step + 1, x
+
+    _, x = tf.while_loop(lambda step, _: step < n, back,
+                         (tf.constant(0), tf.zeros([n, k], dtype)),
+                         maximum_iterations=n)
+    return x, min_pivot > 0
