@@ -540,14 +540,17 @@ def parent(args):
     load_start = os.getloadavg()
     quick = args.quick
     # --quick touches every code path once (jit only, MLP-only memory).
-    modes = ["jit"] if quick else ["eager", "graph", "jit"]
+    modes = ["jit"] if quick or args.jit_only else ["eager", "graph", "jit"]
     mem_modes = ["jit"] if quick else ["eager", "jit"]
     # jit under MirroredStrategy fails on CPUs for every contender, plain Adam
     # included (XLA reads a variable placed on the other device): shown once.
     dist_modes = {"keras3": ["graph"] if quick else ["graph", "jit", "eager"],
                   "tf_keras": ["graph", "eager"]}
-    steps = 8 if quick else 40  # a whole number of windows
-    repeats = 2 if quick else 5
+    steps = args.timing_steps or (8 if quick else 40)
+    if steps % STEPS:
+        raise SystemExit(f"--timing-steps must be a multiple of the window ({STEPS}). "
+                         f"Received: {steps}")
+    repeats = args.timing_repeats or (2 if quick else 5)
     flavours = ["keras3"] if quick or args.no_tf_keras else ["keras3", "tf_keras"]
     common = ["--modes", ",".join(modes), "--steps", str(steps),
               "--repeats", str(repeats)]
@@ -560,17 +563,20 @@ def parent(args):
         rows += _run_worker(["timing", "--flavour", flavour,
                              "--models", ",".join(MODELS)] + common, flavour)
 
-    log("distributed (MirroredStrategy, 2 logical CPUs, MLP)")
-    dist_rows = []
-    for flavour in flavours:
+    dist_rows, jobs = [], []
+    if args.timing_only:
+        flavours_for_rest = []
+    else:
+        flavours_for_rest = flavours
+        log("distributed (MirroredStrategy, 2 logical CPUs, MLP)")
+    for flavour in flavours_for_rest:
         dist_rows += _run_worker(
             ["distributed", "--flavour", flavour,
              "--modes", ",".join(dist_modes[flavour]),
              "--steps", str(4 * STEPS), "--repeats", "1" if quick else "3"], flavour)
 
-    jobs = []
     mem_models = ["mlp"] if quick else list(MODELS)
-    for flavour in flavours:
+    for flavour in flavours_for_rest:
         for model in mem_models:
             for mode in mem_modes:
                 for contender in contenders_for(flavour):
@@ -651,6 +657,14 @@ def main():
                         help="smoke run (about a minute): fewer repeats and configs")
     parser.add_argument("--no-tf-keras", action="store_true",
                         help="skip the tf_keras flavour")
+    parser.add_argument("--timing-only", action="store_true",
+                        help="time the micro-steps only (no MirroredStrategy, no memory)")
+    parser.add_argument("--jit-only", action="store_true",
+                        help="time jit_compile=True only")
+    parser.add_argument("--timing-repeats", type=int, default=None,
+                        help="interleaved repeats per contender (default 5; --quick 2)")
+    parser.add_argument("--timing-steps", type=int, default=None,
+                        help="micro-steps per repeat, a multiple of 4 (default 40; --quick 8)")
     parser.add_argument("--worker", choices=("timing", "memory", "distributed"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--flavour", default="keras3", help=argparse.SUPPRESS)

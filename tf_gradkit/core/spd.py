@@ -1,22 +1,23 @@
 """Solves with a symmetric positive definite matrix, fast under XLA on a CPU.
 
 Why: XLA has no Cholesky kernel for the CPU; it expands ``tf.linalg.cholesky``
-into a generic blocked loop that is 10-20x slower than TensorFlow's own CPU
-kernel. Measured here (2-core CPU, TF 2.21, float32, per factorisation inside
-a compiled loop): n = 61: XLA 0.52 ms, TF's kernel without XLA 0.028 ms;
-n = 128: 5.7 ms; n = 512: 29 ms. For Levenberg-Marquardt on a 61-parameter
-network that expansion was a third of a compiled step.
+into a generic blocked loop that is 10-50x slower than TensorFlow's own CPU
+kernel. For Levenberg-Marquardt on a 61-parameter network that expansion was
+a third of a compiled step.
 
 What this module does (a trace-time choice, nothing at run time):
 
 - under XLA (``jit_compile=True``) with only CPUs visible, for static sizes up
   to `LOOP_MAX_SIZE`, `solve` runs an outer-product (right-looking) Cholesky
-  as one ``tf.while_loop`` of rank-1 updates over the matrix augmented with
-  the right-hand sides, so the forward substitution comes out of the same
-  loop, then a second loop for the back substitution. Measured: n = 61 0.037
-  ms, n = 128 0.18 ms, n = 512 9.4 ms per factorisation. It does ``n^3``
-  multiply-adds (the textbook order does ``n^3 / 3``), which stops paying
-  above a few hundred;
+  as one ``tf.while_loop`` of rank-1 updates over the matrix bordered by the
+  right-hand sides, so the forward substitution comes out of the same loop,
+  then a second loop for the back substitution. Each iteration is one fused
+  pass over the matrix: it does ``n^3`` multiply-adds where the textbook
+  order does ``n^3 / 3``, which stops paying above a few hundred.
+  `benchmarks/spd_solve.py` measures it against XLA's expansion and against
+  TensorFlow without XLA (2-core CPU, float32, one solve: n = 61 0.067 ms vs
+  XLA's 0.66 ms; n = 128 0.41 vs 8.4 ms; n = 256 4.0 vs 14.5 ms; n = 512 no
+  faster, hence the limit);
 - everywhere else (GPUs and TPUs have their own kernels; TensorFlow without
   XLA has its LAPACK-style one) it is ``tf.linalg.cholesky`` and
   ``tf.linalg.cholesky_solve``.
@@ -36,7 +37,7 @@ import tensorflow as tf
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import control_flow_util as _cf_util
 
-LOOP_MAX_SIZE = 512
+LOOP_MAX_SIZE = 256
 _MODES = ("auto", "loop", "library")
 _STATE = threading.local()
 
@@ -116,21 +117,22 @@ def _loop_solve(a, rhs):
     augmented = tf.concat([top, bottom], axis=0)
     index = tf.range(n + k)
 
-    def factor(j, trailing, rows, min_pivot):
-        row = trailing[j]
+    def factor(j, work, min_pivot):
+        # Row j of the trailing matrix becomes row j of R (= L^T): one fused
+        # pass writes the rank-1 update and the finished row together.
+        row = work[j]
         pivot = row[j]
         scaled = tf.where(index >= j, row, tf.zeros_like(row)) / tf.sqrt(pivot)
-        trailing = trailing - scaled[:, None] * scaled[None, :]
-        rows = tf.where(tf.equal(index, j)[:, None], scaled[None, :], rows)
-        return j + 1, trailing, rows, tf.minimum(min_pivot, pivot)
+        work = tf.where(tf.equal(index, j)[:, None], scaled[None, :],
+                        work - scaled[:, None] * scaled[None, :])
+        return j + 1, work, tf.minimum(min_pivot, pivot)
 
-    _, _, rows, min_pivot = tf.while_loop(
+    _, work, min_pivot = tf.while_loop(
         lambda j, *_: j < n, factor,
-        (tf.constant(0), augmented, tf.zeros_like(augmented),
-         tf.constant(float("inf"), dtype)),
+        (tf.constant(0), augmented, tf.constant(float("inf"), dtype)),
         maximum_iterations=n)
-    upper = rows[:n, :n]        # R = L^T
-    forward = rows[:n, n:]      # L^-1 rhs
+    upper = tf.linalg.band_part(work[:n, :n], 0, -1)   # R = L^T
+    forward = work[:n, n:]                              # L^-1 rhs
     row_index = tf.range(n)
 
     def back(step, x):
