@@ -25,8 +25,10 @@ demo: $(STAMP)
 test-keras3: $(STAMP)
 	TF_USE_LEGACY_KERAS=0 $(PYTEST) -m "not slow"
 
+# Tests marked keras_free import no Keras (tf_gradkit.core, least_squares):
+# they run once, in the Keras 3 process.
 test-tf-keras: $(STAMP)
-	TF_USE_LEGACY_KERAS=1 $(PYTEST) -m "not slow"
+	TF_USE_LEGACY_KERAS=1 $(PYTEST) -m "not slow and not keras_free"
 
 test: test-keras3 test-tf-keras
 	$(PY) examples/accumulate_fit.py
@@ -43,7 +45,7 @@ test: test-keras3 test-tf-keras
 # flavour, with TensorFlow's defaults (TF32 on) and again with TF32 off.
 GPU_TESTS := tests/test_battery.py tests/test_gradient_accumulator.py \
 	tests/test_precision.py tests/test_gpu_state.py tests/test_gpu.py \
-	tests/test_levenberg_marquardt.py tests/test_projections.py
+	tests/test_levenberg_marquardt.py tests/test_projections.py tests/test_spd.py
 test-gpu: $(STAMP)
 	@if $(PY) -c "import sys, tensorflow as tf; sys.exit(0 if tf.config.list_physical_devices('GPU') else 1)" 2>/dev/null; then \
 	  for tf32 in default 0; do for legacy in 0 1; do \
@@ -59,7 +61,7 @@ test-gpu: $(STAMP)
 
 test-slow: $(STAMP)
 	TF_USE_LEGACY_KERAS=0 $(PYTEST) -m slow
-	TF_USE_LEGACY_KERAS=1 $(PYTEST) -m slow
+	TF_USE_LEGACY_KERAS=1 $(PYTEST) -m "slow and not keras_free"
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[bench]"
@@ -69,6 +71,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/accumulation.py
 	$(PY) benchmarks/lm_sinc.py
 	$(PY) benchmarks/lm_memory.py
+	$(PY) benchmarks/spd_solve.py
 	$(PY) benchmarks/nist_table.py
 	$(PY) benchmarks/constraints.py
 	$(PY) benchmarks/frank_wolfe.py

@@ -8,6 +8,9 @@ import tensorflow as tf
 from conftest import compile_fn
 from tf_gradkit.core import accumulation as A
 
+# No Keras here: runs in the Keras 3 process only (`make test`).
+pytestmark = pytest.mark.keras_free
+
 
 def _state(params):
     def make_variable(reference, name, per_replica=True, dtype=None):

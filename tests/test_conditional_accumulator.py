@@ -20,6 +20,9 @@ import tensorflow as tf
 from conftest import compile_fn
 from tf_gradkit.core.conditional_accumulator import ConditionalAccumulator
 
+# No Keras here: runs in the Keras 3 process only (`make test`).
+pytestmark = pytest.mark.keras_free
+
 EPS32 = float(np.finfo(np.float32).eps)
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

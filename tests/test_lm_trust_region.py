@@ -17,6 +17,9 @@ from tf_gradkit.core.lm import linear_solvers as solvers_lib
 from tf_gradkit.core.lm import linearize as lin_lib
 from tf_gradkit.core.lm import step as step_lib
 
+# No Keras here: runs in the Keras 3 process only (`make test`).
+pytestmark = pytest.mark.keras_free
+
 F64 = tf.float64
 
 

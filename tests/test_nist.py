@@ -20,6 +20,9 @@ import tf_gradkit
 from nist_problems import (PROBLEMS, lre, residual_fn_for, rss_at,
                            variables_at)
 
+# No Keras here: runs in the Keras 3 process only (`make test`).
+pytestmark = pytest.mark.keras_free
+
 # Significant digits of the certified parameter values in the .dat files.
 CERTIFIED_DIGITS = 11
 RSS_RTOL = 1e-6

@@ -21,6 +21,9 @@ import tensorflow as tf
 from conftest import compile_fn
 from tf_gradkit.core import precision
 
+# No Keras here: runs in the Keras 3 process only (`make test`).
+pytestmark = pytest.mark.keras_free
+
 U32 = 2.0 ** -24
 
 

@@ -11,6 +11,9 @@ from conftest import compile_fn
 from tf_gradkit.core import matrix_projections as MP
 from tf_gradkit.core import projections as P
 
+# No Keras here: runs in the Keras 3 process only (`make test`).
+pytestmark = pytest.mark.keras_free
+
 
 def _rand(shape, seed=0, scale=2.0):
     return tf.constant(np.random.RandomState(seed).randn(*shape) * scale, tf.float32)

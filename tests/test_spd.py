@@ -15,6 +15,9 @@ import tensorflow as tf
 from conftest import SEED, compile_fn
 from tf_gradkit.core import spd
 
+# No Keras here: runs in the Keras 3 process only (`make test`).
+pytestmark = pytest.mark.keras_free
+
 MODES = ("eager", "graph", "jit")
 
 
