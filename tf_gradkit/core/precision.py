@@ -45,32 +45,22 @@ What this module does (trace-time choice, no run-time cost on a CPU):
 block of code; tests use it to run the split on a CPU.
 """
 
-import contextlib
 import os
-import threading
 
 import tensorflow as tf
 
-_MODES = ("auto", "split", "plain")
-_STATE = threading.local()
+from tf_gradkit.core.trace_choice import TraceChoice
+
+_CHOICE = TraceChoice("use_split", ("auto", "split", "plain"))
 # The top 10 mantissa bits, with sign and exponent: a TF32-exact value.
 _TF32_MASK = 0xFFFFE000
 
 
-@contextlib.contextmanager
 def use_split(mode):
     """Within the block, `matmul`/`gram` split float32 operands for TF32
     ("split"), never split ("plain"), or decide by the device ("auto").
-    The choice is read when a function is traced."""
-    if mode not in _MODES:
-        raise ValueError(f"use_split: `mode` must be one of {_MODES}. "
-                         f"Received: mode={mode!r}")
-    previous = getattr(_STATE, "mode", "auto")
-    _STATE.mode = mode
-    try:
-        yield
-    finally:
-        _STATE.mode = previous
+    The choice is read when a function is traced. A context manager."""
+    return _CHOICE.use(mode)
 
 
 def tf32_may_apply():
@@ -87,7 +77,7 @@ def tf32_may_apply():
 def _split_now(dtype):
     if tf.as_dtype(dtype) != tf.float32:
         return False
-    mode = getattr(_STATE, "mode", "auto")
+    mode = _CHOICE.mode
     if mode == "auto":
         return tf32_may_apply()
     return mode == "split"

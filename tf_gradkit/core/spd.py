@@ -30,31 +30,20 @@ positive or anything is not finite, and the returned solution is then zeros
 block of code; tests use it to check both kernels against each other.
 """
 
-import contextlib
-import threading
-
 import tensorflow as tf
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import control_flow_util as _cf_util
 
+from tf_gradkit.core.trace_choice import TraceChoice
+
 LOOP_MAX_SIZE = 256
-_MODES = ("auto", "loop", "library")
-_STATE = threading.local()
+_CHOICE = TraceChoice("use_kernel", ("auto", "loop", "library"))
 
 
-@contextlib.contextmanager
 def use_kernel(mode):
     """Forces the kernel `solve` picks while tracing: "auto", "loop" or
-    "library"."""
-    if mode not in _MODES:
-        raise ValueError(f"use_kernel: `mode` must be one of {_MODES}. "
-                         f"Received: mode={mode!r}")
-    previous = getattr(_STATE, "mode", "auto")
-    _STATE.mode = mode
-    try:
-        yield
-    finally:
-        _STATE.mode = previous
+    "library". A context manager."""
+    return _CHOICE.use(mode)
 
 
 def _in_xla():
@@ -68,7 +57,7 @@ def _only_cpus():
 def uses_loop(size):
     """Whether `solve` of a ``size`` x ``size`` system traced here runs the
     loop kernel."""
-    mode = getattr(_STATE, "mode", "auto")
+    mode = _CHOICE.mode
     if mode != "auto":
         return mode == "loop" and size is not None
     return (size is not None and size <= LOOP_MAX_SIZE and _in_xla()
