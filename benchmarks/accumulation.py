@@ -581,7 +581,8 @@ def parent(args):
             for mode in mem_modes:
                 for contender in contenders_for(flavour):
                     jobs.append((flavour, model, mode, contender))
-    log(f"peak memory: {len(jobs)} configurations, one process each")
+    if jobs:
+        log(f"peak memory: {len(jobs)} configurations, one process each")
     memory = {}
     # Several at a time: RSS is per process, and nothing is being timed now.
     with futures.ThreadPoolExecutor(max_workers=3) as pool:

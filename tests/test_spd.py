@@ -86,6 +86,21 @@ def test_loop_kernel_runs_under_xla_on_a_cpu_only_up_to_its_size_limit():
                     ("jit", 61): only_cpus, ("jit", spd.LOOP_MAX_SIZE + 1): False}
 
 
+@pytest.mark.parametrize("a_shape,b_shape,dtypes,match", [
+    ((3, 4), (3, 1), ("float32", "float32"), r"`a` must be a square matrix"),
+    ((3,), (3, 1), ("float32", "float32"), r"`a` must be a square matrix"),
+    ((3, 3), (4, 1), ("float32", "float32"), r"`rhs` must be a matrix \[n, k\]"),
+    ((3, 3), (3,), ("float32", "float32"), r"`rhs` must be a matrix \[n, k\]"),
+    ((3, 3), (3, 1), ("float32", "float64"), r"share one floating dtype.*float32 and float64"),
+    ((3, 3), (3, 1), ("int32", "int32"), r"share one floating dtype"),
+])
+def test_bad_shapes_and_dtypes_are_refused_by_name(a_shape, b_shape, dtypes, match):
+    a = tf.ones(a_shape, dtypes[0])
+    b = tf.ones(b_shape, dtypes[1])
+    with pytest.raises(ValueError, match=match):
+        spd.solve(a, b)
+
+
 def test_use_kernel_rejects_an_unknown_mode():
     with pytest.raises(ValueError, match=r"`mode` must be one of .*Received: mode='lapack'"):
         with spd.use_kernel("lapack"):

@@ -76,7 +76,13 @@ def solve(a, rhs):
       ``(x, ok)``: the [n, k] solution (zeros when not ``ok``) and a bool
       scalar, False when ``a`` is not numerically positive definite or a
       value is not finite.
+
+    Raises:
+      ValueError: when ``a`` is not a square matrix, ``rhs`` not a matrix
+        with as many rows, or the dtypes are not the same floating type.
     """
+    a, rhs = tf.convert_to_tensor(a), tf.convert_to_tensor(rhs)
+    _check(a, rhs)
     n = a.shape[0]
     if uses_loop(n):
         x, ok = _loop_solve(a, rhs)
@@ -84,6 +90,20 @@ def solve(a, rhs):
         x, ok = _library_solve(a, rhs)
     ok = tf.logical_and(ok, tf.reduce_all(tf.math.is_finite(x)))
     return tf.where(ok, x, tf.zeros_like(x)), ok
+
+
+def _check(a, rhs):
+    if a.shape.rank != 2 or (a.shape[0] is not None and a.shape[1] is not None
+                              and a.shape[0] != a.shape[1]):
+        raise ValueError("spd.solve: `a` must be a square matrix [n, n]. "
+                         f"Received: shape {a.shape}")
+    if rhs.shape.rank != 2 or (a.shape[0] is not None and rhs.shape[0] is not None
+                                and rhs.shape[0] != a.shape[0]):
+        raise ValueError("spd.solve: `rhs` must be a matrix [n, k] with as many "
+                         f"rows as `a`. Received: `a` {a.shape}, `rhs` {rhs.shape}")
+    if not a.dtype.is_floating or rhs.dtype != a.dtype:
+        raise ValueError("spd.solve: `a` and `rhs` must share one floating dtype. "
+                         f"Received: {a.dtype.name} and {rhs.dtype.name}")
 
 
 def _library_solve(a, rhs):
