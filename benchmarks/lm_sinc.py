@@ -178,7 +178,6 @@ def build_keras3_model(weights=None):
     return model
 
 
-
 def run_keras3(name, seed, epochs, weights, budget_seconds=None):
     import keras
     from tf_gradkit.keras3 import LevenbergMarquardt
@@ -485,11 +484,10 @@ def main():
                       f"{res['final_mse']:.3e}", flush=True)
         per_seed[seed] = results
         seed_seconds.append(time.perf_counter() - seed_start)
-        if only is not None:
-            pass
-        elif seed == 0 and not args.no_plot and not has_matplotlib():
+        wants_plot = seed == 0 and not args.no_plot and only is None
+        if wants_plot and not has_matplotlib():
             print("matplotlib is not installed: no plot (pip install matplotlib)")
-        elif seed == 0 and not args.no_plot:
+        elif wants_plot:
             plot_path = os.path.join(ROOT, "docs", "levenberg_marquardt_sinc.png")
             plot(results, plot_path)
             print(f"wrote {plot_path}", flush=True)
