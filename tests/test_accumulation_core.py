@@ -91,12 +91,16 @@ def test_non_finite_values_survive_the_sums_until_the_window_closes():
     A.accumulate(state, [tf.constant([np.inf, 1.0])], 1.0)
     A.accumulate(state, [tf.constant([-np.inf, 1.0])], 1.0)   # inf - inf = nan
     assert not bool(A.window_is_finite(A.window_sums(state)))
+    assert not bool(A.weight_is_finite(state.weight))
     A.start_next_window(state, tf.constant(True))
     assert bool(A.window_is_finite(A.window_sums(state)))
+    assert bool(A.weight_is_finite(state.weight))
     big = np.finfo(np.float32).max
     A.accumulate(state, [tf.constant([big, 0.0])], 1.0)
+    assert bool(A.weight_is_finite(state.weight))
     A.accumulate(state, [tf.constant([big, 0.0])], 1.0)      # finite inputs, inf sum
     assert not bool(A.window_is_finite(A.window_sums(state)))
+    assert not bool(A.weight_is_finite(state.weight))
 
 
 def test_window_gradient_reductions_and_replicas():
@@ -106,3 +110,114 @@ def test_window_gradient_reductions_and_replicas():
     assert A.window_gradients(sums, "example", total)[0].numpy() == 2.0
     assert A.window_gradients(sums, "sum", total)[0].numpy() == 6.0
     assert A.window_gradients(sums, "example", total, num_replicas=2)[0].numpy() == 4.0
+
+
+def _slices(indices, values, shape):
+    return tf.IndexedSlices(tf.constant(values, tf.float32),
+                            tf.constant(indices, tf.int64), tf.constant(shape))
+
+
+def test_a_dense_sum_missing_gradients_never_keeps_an_older_window(mode):
+    # `b` gets no gradient on some micro-steps: its sum must hold exactly
+    # what this window gave it, never what a closed window left behind.
+    a, b = tf.Variable(tf.zeros([2])), tf.Variable(tf.zeros([2, 2]))
+    state = _state([a, b])
+    both = compile_fn(lambda ga, gb: A.accumulate(state, [ga, gb], 1.0), mode)
+    only_a = compile_fn(lambda ga: A.accumulate(state, [ga, None], 1.0), mode)
+    ga, gb = tf.constant([1.0, 2.0]), tf.fill([2, 2], 5.0)
+    both(ga, gb)
+    only_a(ga)
+    np.testing.assert_array_equal(_sums(state)[1], np.full([2, 2], 5.0))
+    A.start_next_window(state, tf.constant(True))
+    only_a(ga)                         # b: nothing yet in this window
+    np.testing.assert_array_equal(_sums(state)[1], np.zeros([2, 2]))
+    both(ga, tf.fill([2, 2], 2.0))
+    np.testing.assert_array_equal(_sums(state)[0], [2.0, 4.0])
+    np.testing.assert_array_equal(_sums(state)[1], np.full([2, 2], 2.0))
+    A.start_next_window(state, tf.constant(True))
+    only_a(ga)                         # a window that never touches b
+    np.testing.assert_array_equal(_sums(state)[1], np.zeros([2, 2]))
+
+
+def test_each_variable_keeps_the_kind_of_its_first_gradient(mode):
+    # A dense variable given IndexedSlices later densifies them; a sparse one
+    # given a dense gradient later takes the per-row path: both stay exact.
+    dense, table = tf.Variable(tf.zeros([4, 2])), tf.Variable(tf.zeros([4, 2]))
+    state = _state([dense, table])
+    add = compile_fn(lambda g0, g1: A.accumulate(state, [g0, g1], 1.0), mode)
+    add(tf.ones([4, 2]), _slices([1], [[1.0, 1.0]], [4, 2]))
+    assert state.kinds == ["dense", "rows"]
+    add2 = compile_fn(lambda g0, g1: A.accumulate(state, [g0, g1], 2.0), mode)
+    add2(_slices([0, 0], [[1.0, 0.0], [1.0, 0.0]], [4, 2]), tf.ones([4, 2]))
+    assert state.kinds == ["dense", "rows"]
+    np.testing.assert_array_equal(_sums(state)[0], [[5, 1], [1, 1], [1, 1], [1, 1]])
+    np.testing.assert_array_equal(_sums(state)[1], [[2, 2], [3, 3], [2, 2], [2, 2]])
+    A.start_next_window(state, tf.constant(True))
+    add2(_slices([3], [[1.0, 1.0]], [4, 2]), tf.ones([4, 2]))
+    np.testing.assert_array_equal(_sums(state)[0], [[0, 0], [0, 0], [0, 0], [2, 2]])
+    np.testing.assert_array_equal(_sums(state)[1], np.full([4, 2], 2.0))
+
+
+def test_sums_read_before_any_gradient_fix_the_dense_kind(mode):
+    # A flush traced before the first micro-step reads every sum as dense; a
+    # later IndexedSlices gradient is densified, and nothing stale leaks in.
+    table = tf.Variable(tf.zeros([3, 1]))
+    state = _state([table])
+    read = compile_fn(lambda: A.window_sums(state), mode)
+    np.testing.assert_array_equal(read()[0].numpy(), np.zeros([3, 1]))
+    add = compile_fn(lambda g: A.accumulate(state, [g], 1.0), mode)
+    add(_slices([2], [[4.0]], [3, 1]))
+    assert state.kinds == ["dense"]
+    np.testing.assert_array_equal(read()[0].numpy(), [[0.0], [0.0], [4.0]])
+    A.start_next_window(state, tf.constant(True))
+    add(_slices([0], [[1.0]], [3, 1]))
+    np.testing.assert_array_equal(read()[0].numpy(), [[1.0], [0.0], [0.0]])
+
+
+@pytest.mark.parametrize("kind", ["dense", "rows"])
+def test_the_window_weight_carries_non_finite_values(mode, kind):
+    table = tf.Variable(tf.zeros([3, 2]))
+    state = _state([table])
+
+    def gradient(values):
+        values = tf.constant(values, tf.float32)
+        if kind == "dense":
+            return values
+        return tf.IndexedSlices(values, tf.constant([0, 1, 2], tf.int64),
+                                tf.constant([3, 2]))
+
+    add = compile_fn(lambda g, accept: A.accumulate(state, [g], 2.0, accept), mode)
+    ones = np.ones([3, 2], np.float32)
+    add(gradient(ones), tf.constant(True))
+    bad = ones.copy()
+    bad[1, 0] = np.nan
+    add(gradient(bad), tf.constant(False))     # stale: dropped, weight intact
+    assert float(state.weight.numpy()) == 2.0
+    assert bool(A.weight_is_finite(state.weight))
+    for value in (np.nan, np.inf, -np.inf):
+        bad[1, 0] = value
+        add(gradient(bad), tf.constant(True))
+        assert not bool(A.weight_is_finite(state.weight))
+        assert not bool(A.window_is_finite(A.window_sums(state)))
+        A.start_next_window(state, tf.constant(True))
+        assert bool(A.weight_is_finite(state.weight))
+        add(gradient(ones), tf.constant(True))
+        assert float(state.weight.numpy()) == 2.0
+        A.start_next_window(state, tf.constant(True))
+    big = np.full([3, 2], np.finfo(np.float32).max / 2, np.float32)
+    big[:, 1] = 0.0
+    add(gradient(big), tf.constant(True))
+    assert bool(A.weight_is_finite(state.weight))
+    add(gradient(big * 1.5), tf.constant(True))   # finite inputs, sums overflow
+    assert not bool(A.weight_is_finite(state.weight))
+
+
+def test_half_precision_sums_are_checked_in_float32(mode):
+    # 64 values of 2000 add up past float16's 65504 but are finite sums.
+    w = tf.Variable(tf.zeros([2, 64], tf.float16))
+    state = _state([w])
+    add = compile_fn(lambda g: A.accumulate(state, [g], 1.0), mode)
+    add(tf.fill([2, 64], tf.constant(2000.0, tf.float16)))
+    assert bool(A.weight_is_finite(state.weight))
+    add(tf.fill([2, 64], tf.constant(65000.0, tf.float16)))   # sum 67000: inf
+    assert not bool(A.weight_is_finite(state.weight))

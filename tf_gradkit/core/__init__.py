@@ -6,6 +6,7 @@ from tf_gradkit.core.accumulation import accumulate
 from tf_gradkit.core.accumulation import all_finite
 from tf_gradkit.core.accumulation import init_accumulation
 from tf_gradkit.core.accumulation import start_next_window
+from tf_gradkit.core.accumulation import weight_is_finite
 from tf_gradkit.core.accumulation import window_gradients
 from tf_gradkit.core.accumulation import window_is_finite
 from tf_gradkit.core.accumulation import window_sums
@@ -22,6 +23,7 @@ __all__ = [
     "all_finite",
     "init_accumulation",
     "start_next_window",
+    "weight_is_finite",
     "window_gradients",
     "window_is_finite",
     "window_sums",

@@ -22,15 +22,37 @@ whole embedding table), and the conditional that closes a window carries no
 accumulator at all (under XLA a variable written inside a branch is copied
 by every branch, every micro-step).
 
-Non-finite values need no per-micro-step check: NaN and Inf survive the sums,
-so `window_is_finite` tests the sums once, when the window closes (a sum
-that overflows float32 is caught too).
+Non-finite values ride on the window's weight. Each micro-step sums the
+values it just wrote into the sums (one matrix-vector product per variable:
+XLA's CPU reductions run about 4x slower than its dot) and adds ``0 *`` that
+to the weight, so a NaN or Inf written into any sum, including a finite sum
+that overflowed, makes the weight NaN. Closing a window then tests one
+scalar, `weight_is_finite`, before choosing between the inner update and the
+skip: a single conditional, and no pass over the sums (for an embedding, no
+pass over the table). The row sums behind the test are exact for NaN and
+Inf; a row of one sum whose values add up past its dtype's range counts as
+non-finite too, as Adam's squared gradients would have overflowed long
+before. 16-bit sums are added up in float32.
+
+Dense sums need no marks. A variable's first use fixes its *kind* (decided at
+trace time and kept on the state): ``"rows"`` when its first gradient is
+``IndexedSlices``, ``"dense"`` otherwise. Every accepted micro-step writes
+every dense sum (a ``None`` gradient adds zeros), so a dense sum belongs to
+the open window exactly when the window has a micro-step: its add is gated by
+that one scalar and reads and writes no marks. (Reading a mark and writing it
+back in the same step cost every micro-step 5-10% on a 400k-parameter MLP
+under XLA, `benchmarks/accumulation.py`.) Later gradients of the other kind
+stay exact: ``IndexedSlices`` for a dense variable are densified, a dense
+gradient for a ``"rows"`` variable takes the per-row select. Not covered: a
+checkpoint saved in the middle of a window by a program whose gradient for a
+variable was ``IndexedSlices``, restored into one whose gradient for it is
+dense (the kind is not saved).
 
 References: TF1 ``ConditionalAccumulator`` (averaging, staleness);
 optax ``MultiSteps`` (a named state per rule).
 """
 
-from typing import Callable, List, NamedTuple
+from typing import Callable, List, NamedTuple, Optional
 
 import tensorflow as tf
 
@@ -42,11 +64,14 @@ class AccumulationState(NamedTuple):
 
     Attributes:
       micro_step: int64 scalar, micro-batches accepted into the open window.
-      weight: float32 scalar, sum of micro-batch weights (examples) so far.
+      weight: float32 scalar, sum of micro-batch weights (examples) so far;
+        NaN once a NaN or Inf was written into a sum (module doc).
       window: int64 scalar, the open window's number (0, 1, ...).
       acc_grads: one variable per parameter, the weighted gradient sums.
       row_windows: one int64 vector per parameter, the window each first-axis
         row of its sum was last written in (length 1 for scalars).
+      kinds: per parameter, ``None`` until its first gradient is traced, then
+        ``"dense"`` or ``"rows"`` (see the module doc); Python, not state.
     """
 
     micro_step: tf.Variable
@@ -54,6 +79,7 @@ class AccumulationState(NamedTuple):
     window: tf.Variable
     acc_grads: List[tf.Variable]
     row_windows: List[tf.Variable]
+    kinds: List[Optional[str]]
 
 
 def init_accumulation(params, make_variable: Callable, make_scalar: Callable):
@@ -83,6 +109,7 @@ def init_accumulation(params, make_variable: Callable, make_scalar: Callable):
         # Sums and row marks start at zero with window 0: every row reads 0.
         row_windows=[make_variable(rows(p), "acc_rows", False, dtype=tf.int64)
                      for p in params],
+        kinds=[None] * len(params),
     )
 
 
@@ -92,13 +119,21 @@ def _current(row_window, window, rank):
     return tf.reshape(current, [-1] + [1] * max(rank - 1, 0)) if rank else current[0]
 
 
+def _kind(state, index, gradient=None):
+    """The variable's kind (module doc), fixed by its first use."""
+    if state.kinds[index] is None:
+        state.kinds[index] = "rows" if isinstance(gradient, tf.IndexedSlices) else "dense"
+    return state.kinds[index]
+
+
 def accumulate(state: AccumulationState, grads, weight, accept=True):
     """Adds one micro-batch: ``acc += weight * g`` (rows of older windows
     count as zero), ``weight`` into the window's weight, one micro-step.
 
     ``IndexedSlices`` touch only their rows (gather, then scatters), so an
     embedding gradient costs the rows it touches, not the table. ``None``
-    gradients add nothing.
+    gradients add nothing (a dense sum still takes its gate, so that every
+    accepted micro-step writes every dense sum: see the module doc).
 
     Args:
       state: the `AccumulationState`.
@@ -109,13 +144,21 @@ def accumulate(state: AccumulationState, grads, weight, accept=True):
         not reach the sums.
     """
     window = state.window.read_value()
+    started = state.micro_step.read_value() > 0
     gate = (lambda new, old: new) if accept is True else (  # noqa: E731
         lambda new, old: tf.where(accept, new, old))
-    for acc, rows, g in zip(state.acc_grads, state.row_windows, grads):
-        if g is None:
-            continue
+    written = []  # per sum: are the values this micro-step wrote finite
+    for index, (acc, rows, g) in enumerate(zip(state.acc_grads, state.row_windows, grads)):
+        if g is None and state.kinds[index] == "rows":
+            continue  # the marks keep this sum's rows as they are
         w = tf.cast(weight, acc.dtype)
-        if isinstance(g, tf.IndexedSlices):
+        if _kind(state, index, g) == "dense":
+            g = tf.zeros_like(acc) if g is None else tf.convert_to_tensor(g)
+            base = tf.where(started, acc, tf.zeros_like(acc))
+            total = base + tf.cast(g, acc.dtype) * w
+            acc.assign(gate(total, acc))
+            written.append(_finite_sum(total))
+        elif isinstance(g, tf.IndexedSlices):
             idx = tf.cast(g.indices, tf.int64)
             values = tf.cast(g.values, acc.dtype) * w
             old = tf.gather(acc, idx)
@@ -127,26 +170,52 @@ def accumulate(state: AccumulationState, grads, weight, accept=True):
             acc.scatter_add(tf.IndexedSlices(gate(values, tf.zeros_like(values)), idx))
             rows.scatter_update(tf.IndexedSlices(
                 gate(tf.fill(tf.shape(idx), window), tf.gather(rows, idx)), idx))
+            written.append(_finite_sum(tf.gather(acc, idx)))  # the rows' new sums
         else:
             rank = len(acc.shape)
             base = tf.where(_current(rows, window, rank), acc, tf.zeros_like(acc))
-            acc.assign(gate(base + tf.cast(g, acc.dtype) * w, acc))
+            total = base + tf.cast(g, acc.dtype) * w
+            acc.assign(gate(total, acc))
             rows.assign(gate(tf.fill(tf.shape(rows), window), rows))
+            written.append(_finite_sum(total))
     weight = tf.cast(weight, state.weight.dtype)
+    if written:  # 0, or NaN when a value just written is NaN or Inf
+        weight += tf.where(tf.reduce_all(tf.stack(written)), tf.zeros_like(weight),
+                           tf.constant(float("nan"), weight.dtype))
     state.weight.assign_add(gate(weight, tf.zeros_like(weight)))
     state.micro_step.assign_add(tf.cast(accept, state.micro_step.dtype))
+
+
+def _finite_sum(values):
+    """True when ``values`` (any shape) hold no NaN or Inf and each row adds
+    up within the dtype's range: one matrix-vector product, then a test of
+    one value per row."""
+    if values.dtype.size < 4:
+        values = tf.cast(values, tf.float32)
+    rows = tf.reshape(values, [-1, values.shape[-1] if values.shape.rank else 1])
+    row_sums = tf.matmul(rows, tf.ones([rows.shape[-1], 1], rows.dtype))
+    return tf.reduce_all(tf.math.is_finite(row_sums))
 
 
 def window_sums(state: AccumulationState):
     """The open window's sums as dense tensors (older rows read as zero)."""
     window = state.window.read_value()
-    return [tf.where(_current(rows, window, len(acc.shape)), acc, tf.zeros_like(acc))
-            for acc, rows in zip(state.acc_grads, state.row_windows)]
+    started = state.micro_step.read_value() > 0
+    return [tf.where(started if _kind(state, index) == "dense"
+                     else _current(rows, window, len(acc.shape)), acc, tf.zeros_like(acc))
+            for index, (acc, rows) in enumerate(zip(state.acc_grads, state.row_windows))]
+
+
+def weight_is_finite(weight):
+    """True when the window's weight (``state.weight``, or its sum over
+    replicas) is finite: no NaN or Inf was written into any sum of the
+    window (module doc)."""
+    return tf.math.is_finite(weight)
 
 
 def window_is_finite(sums):
-    """True when no window sum holds a NaN or Inf (NaN and Inf survive
-    sums, so this sees every non-finite micro-batch of the window)."""
+    """True when no window sum holds a NaN or Inf: a full pass over the sums
+    (`weight_is_finite` answers the same from one scalar)."""
     if not sums:
         return tf.constant(True)
     return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(s)) for s in sums]))

@@ -15,8 +15,9 @@ graph" crash of Keras 3's ``gradient_accumulation_steps``). So:
    single all-reduce is the only gradient reduction of the window.
 
 Without a strategy (or where the strategy needs no ``merge_call``, e.g. XLA on
-GPUs) one integer ``switch_case`` decides, and its "keep the window open"
-branch is empty: the sums and counters are written outside it (see the lazy
+GPUs) one integer ``switch_case`` decides between keeping the window open,
+applying it and skipping it (the window's weight carries its finiteness, see
+`accumulation`), and its "keep the window open" branch is empty: the sums and counters are written outside it (see the lazy
 reset in `accumulation`), so under XLA an open micro-step is the adds and a
 few scalar writes. (XLA turns a two-way ``cond`` on a boolean into selects
 that run both branches; an integer ``switch_case`` stays a conditional.)
@@ -29,11 +30,6 @@ from tf_gradkit.core import accumulation
 
 def _num_replicas():
     return tf.distribute.get_strategy().num_replicas_in_sync
-
-
-def _nonfinite(state):
-    return tf.cast(tf.logical_not(accumulation.window_is_finite(
-        accumulation.window_sums(state))), tf.float32)
 
 
 def micro_step(state, grads, *, weight, accept, steps, force=False,
@@ -66,17 +62,27 @@ def micro_step(state, grads, *, weight, accept, steps, force=False,
     ready = micro > 0 if force else micro >= steps
 
     if tf.__internal__.distribute.strategy_supports_no_merge_call():
-        def close():
-            total_weight = state.weight.read_value()
-            nonfinite = _nonfinite(state)
-            if _num_replicas() > 1:
-                total_weight, nonfinite = tf.distribute.get_replica_context().all_reduce(
-                    tf.distribute.ReduceOp.SUM, [total_weight, nonfinite])
-            _apply_or_skip(nonfinite, total_weight, apply_window, skip_window,
-                           run=lambda fn, args: fn(*args))
-            return tf.constant(1)
+        def run(fn, args):
+            return fn(*args)
 
-        tf.switch_case(tf.cast(ready, tf.int32), [lambda: tf.constant(0), close])
+        if _num_replicas() == 1:
+            # One conditional: keep open, apply, or skip (the weight carries
+            # the window's finiteness, so the choice costs one scalar test).
+            total_weight = state.weight.read_value()
+            index = tf.where(ready, tf.where(accumulation.weight_is_finite(total_weight),
+                                             1, 2), 0)
+            tf.switch_case(index, [lambda: tf.constant(0),
+                                   *_apply_and_skip(total_weight, apply_window,
+                                                    skip_window, run)])
+        else:
+            def close():
+                # The window's weight over replicas, read only when it closes.
+                total_weight = tf.distribute.get_replica_context().all_reduce(
+                    tf.distribute.ReduceOp.SUM, state.weight.read_value())
+                _apply_or_skip(total_weight, apply_window, skip_window, run)
+                return tf.constant(1)
+
+            tf.switch_case(tf.cast(ready, tf.int32), [lambda: tf.constant(0), close])
     else:
         def _cross_replica(distribution, ready):
             ready = distribution.experimental_local_results(ready)[0]
@@ -87,12 +93,7 @@ def micro_step(state, grads, *, weight, accept, steps, force=False,
             def close():
                 # Read here: sync-on-read sums over replicas, and only when the
                 # window closes, so an open micro-step does no cross-replica work.
-                total_weight = state.weight.read_value()
-                nonfinite = distribution.reduce(
-                    tf.distribute.ReduceOp.SUM,
-                    distribution.extended.call_for_each_replica(_nonfinite, args=(state,)),
-                    axis=None)
-                _apply_or_skip(nonfinite, total_weight, apply_window, skip_window, run)
+                _apply_or_skip(state.weight.read_value(), apply_window, skip_window, run)
                 return tf.constant(1)
 
             tf.cond(ready, close, lambda: tf.constant(0))
@@ -102,7 +103,8 @@ def micro_step(state, grads, *, weight, accept, steps, force=False,
     accumulation.start_next_window(state, ready)
 
 
-def _apply_or_skip(nonfinite, total_weight, apply_window, skip_window, run):
+def _apply_and_skip(total_weight, apply_window, skip_window, run):
+    """The two ways a window closes, as branches of a ``switch_case``."""
     def apply():
         run(apply_window, (total_weight,))
         return tf.constant(1)
@@ -111,4 +113,11 @@ def _apply_or_skip(nonfinite, total_weight, apply_window, skip_window, run):
         run(skip_window, (total_weight,))
         return tf.constant(2)
 
-    tf.switch_case(tf.cast(nonfinite > 0, tf.int32), [apply, skip])
+    return apply, skip
+
+
+def _apply_or_skip(total_weight, apply_window, skip_window, run):
+    """Applies the window, or skips it when its weight is not finite."""
+    nonfinite = tf.logical_not(accumulation.weight_is_finite(total_weight))
+    tf.switch_case(tf.cast(nonfinite, tf.int32),
+                   list(_apply_and_skip(total_weight, apply_window, skip_window, run)))
