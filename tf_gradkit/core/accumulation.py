@@ -22,17 +22,18 @@ whole embedding table), and the conditional that closes a window carries no
 accumulator at all (under XLA a variable written inside a branch is copied
 by every branch, every micro-step).
 
-Non-finite values ride on the window's weight. Each micro-step sums the
-values it just wrote into the sums (one matrix-vector product per variable:
-XLA's CPU reductions run about 4x slower than its dot) and adds ``0 *`` that
-to the weight, so a NaN or Inf written into any sum, including a finite sum
-that overflowed, makes the weight NaN. Closing a window then tests one
-scalar, `weight_is_finite`, before choosing between the inner update and the
-skip: a single conditional, and no pass over the sums (for an embedding, no
-pass over the table). The row sums behind the test are exact for NaN and
-Inf; a row of one sum whose values add up past its dtype's range counts as
-non-finite too, as Adam's squared gradients would have overflowed long
-before. 16-bit sums are added up in float32.
+Non-finite values are found once per window, where it is cheap. A dense sum
+keeps any NaN or Inf written into it until the window closes, so the closing
+step tests the dense sums (`dense_sums_finite`: one matrix-vector product per
+sum, as XLA's CPU reductions run about 4x slower than its dot), inside a
+conditional that only the closing step enters. A ``"rows"`` sum is tested
+where it is written instead (only the rows a micro-step touched: testing the
+whole table would cost a pass over it per window) and the result rides on
+the window's weight: ``0`` or ``NaN`` is added to it, and `weight_is_finite`
+reads it. `window_finite` combines both. The row sums behind the tests are
+exact for NaN and Inf; a sum that overflowed is caught, and so is a row of
+one sum whose values add up past its dtype's range (Adam's squared gradients
+would have overflowed long before). 16-bit sums are added up in float32.
 
 Dense sums need no marks. A variable's first use fixes its *kind* (decided at
 trace time and kept on the state): ``"rows"`` when its first gradient is
@@ -44,9 +45,9 @@ back in the same step cost every micro-step 5-10% on a 400k-parameter MLP
 under XLA, `benchmarks/accumulation.py`.) Later gradients of the other kind
 stay exact: ``IndexedSlices`` for a dense variable are densified, a dense
 gradient for a ``"rows"`` variable takes the per-row select. Not covered: a
-checkpoint saved in the middle of a window by a program whose gradient for a
-variable was ``IndexedSlices``, restored into one whose gradient for it is
-dense (the kind is not saved).
+checkpoint saved in the middle of a window and restored by a program in
+which a variable's gradient changed between ``IndexedSlices`` and a dense
+tensor (the kind is not saved; a model's layers fix its gradients' types).
 
 References: TF1 ``ConditionalAccumulator`` (averaging, staleness);
 optax ``MultiSteps`` (a named state per rule).
@@ -65,7 +66,7 @@ class AccumulationState(NamedTuple):
     Attributes:
       micro_step: int64 scalar, micro-batches accepted into the open window.
       weight: float32 scalar, sum of micro-batch weights (examples) so far;
-        NaN once a NaN or Inf was written into a sum (module doc).
+        NaN once a NaN or Inf was written into a ``"rows"`` sum (module doc).
       window: int64 scalar, the open window's number (0, 1, ...).
       acc_grads: one variable per parameter, the weighted gradient sums.
       row_windows: one int64 vector per parameter, the window each first-axis
@@ -147,7 +148,7 @@ def accumulate(state: AccumulationState, grads, weight, accept=True):
     started = state.micro_step.read_value() > 0
     gate = (lambda new, old: new) if accept is True else (  # noqa: E731
         lambda new, old: tf.where(accept, new, old))
-    written = []  # per sum: are the values this micro-step wrote finite
+    written = []  # per "rows" sum: are the values this micro-step wrote finite
     for index, (acc, rows, g) in enumerate(zip(state.acc_grads, state.row_windows, grads)):
         if g is None and state.kinds[index] == "rows":
             continue  # the marks keep this sum's rows as they are
@@ -155,9 +156,7 @@ def accumulate(state: AccumulationState, grads, weight, accept=True):
         if _kind(state, index, g) == "dense":
             g = tf.zeros_like(acc) if g is None else tf.convert_to_tensor(g)
             base = tf.where(started, acc, tf.zeros_like(acc))
-            total = base + tf.cast(g, acc.dtype) * w
-            acc.assign(gate(total, acc))
-            written.append(_finite_sum(total))
+            acc.assign(gate(base + tf.cast(g, acc.dtype) * w, acc))
         elif isinstance(g, tf.IndexedSlices):
             idx = tf.cast(g.indices, tf.int64)
             values = tf.cast(g.values, acc.dtype) * w
@@ -179,7 +178,7 @@ def accumulate(state: AccumulationState, grads, weight, accept=True):
             rows.assign(gate(tf.fill(tf.shape(rows), window), rows))
             written.append(_finite_sum(total))
     weight = tf.cast(weight, state.weight.dtype)
-    if written:  # 0, or NaN when a value just written is NaN or Inf
+    if written:  # 0, or NaN when a value just written into a "rows" sum is not finite
         weight += tf.where(tf.reduce_all(tf.stack(written)), tf.zeros_like(weight),
                            tf.constant(float("nan"), weight.dtype))
     state.weight.assign_add(gate(weight, tf.zeros_like(weight)))
@@ -208,14 +207,29 @@ def window_sums(state: AccumulationState):
 
 def weight_is_finite(weight):
     """True when the window's weight (``state.weight``, or its sum over
-    replicas) is finite: no NaN or Inf was written into any sum of the
-    window (module doc)."""
+    replicas) is finite: no NaN or Inf was written into a ``"rows"`` sum of
+    the window (module doc)."""
     return tf.math.is_finite(weight)
 
 
+def dense_sums_finite(state: AccumulationState):
+    """True when no dense sum holds a NaN or Inf (module doc). Reads the sums
+    as they are: call it only while the window has a micro-step."""
+    checks = [_finite_sum(acc.read_value()) for index, acc in enumerate(state.acc_grads)
+              if _kind(state, index) == "dense"]
+    return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
+
+
+def window_finite(state: AccumulationState):
+    """True when the open window (with at least one micro-step) holds no NaN
+    or Inf: its weight and its dense sums (this replica's)."""
+    return tf.logical_and(weight_is_finite(state.weight.read_value()),
+                          dense_sums_finite(state))
+
+
 def window_is_finite(sums):
-    """True when no window sum holds a NaN or Inf: a full pass over the sums
-    (`weight_is_finite` answers the same from one scalar)."""
+    """True when no window sum holds a NaN or Inf, by a full reduction over
+    the sums (`window_finite` answers the same, more cheaply)."""
     if not sums:
         return tf.constant(True)
     return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(s)) for s in sums]))
