@@ -69,6 +69,7 @@ bench: $(STAMP)
 	# on TF 2.21 (shared/ANCHORS.md); --no-deps keeps our environment intact.
 	$(PY) -m pip install -q --no-deps gradient-accumulator tf-levenberg-marquardt
 	$(PY) benchmarks/accumulation.py
+	$(PY) benchmarks/accumulation_loop.py
 	$(PY) benchmarks/lm_sinc.py
 	$(PY) benchmarks/lm_memory.py
 	$(PY) benchmarks/spd_solve.py
