@@ -5,6 +5,7 @@ Keras 3 and the tf_keras adapter that way.
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -233,6 +234,60 @@ def test_discard_drops_partial_window(K, gk):
         step(x[i * 6:i * 6 + 6], y[i * 6:i * 6 + 6])
     assert int(opt.iterations.numpy()) == 1
     assert max_abs_diff(before, weights_of(model)) > 1e-3
+
+
+def _two_heads(K):
+    """Two models trained by one optimizer: `b` is used by some micro-batches only."""
+    a, b = mlp(K), mlp(K, seed=2)
+    return a, b, a.trainable_variables + b.trainable_variables
+
+
+def test_a_micro_step_giving_gradients_to_other_variables_is_refused(K, gk, mode):
+    # Before, the window's update covered the closing micro-step's variables
+    # only: what the others had accumulated was silently dropped.
+    x, y = regression_data()
+    a, b, variables = _two_heads(K)
+    opt = gk.GradientAccumulator(K.optimizers.SGD(0.1), steps=3, reduction="sum")
+
+    def step(both):
+        def run(xs, ys):
+            grads = mse_grads(a, xs, ys)[1]
+            grads += mse_grads(b, xs, ys)[1] if both else [None] * len(b.trainable_variables)
+            opt.apply_gradients(zip(grads, variables))
+        return compile_fn(run, mode)
+
+    both, only_a = step(True), step(False)
+    both(x[:8], y[:8])
+    weights, state = weights_of(a) + weights_of(b), variables_of(opt)
+    first_of_b = b.trainable_variables[0]
+    name = re.escape(getattr(first_of_b, "path", None) or first_of_b.name)
+    with pytest.raises(ValueError, match="same variables.*" + name):
+        only_a(x[8:16], y[8:16])
+    assert max_abs_diff(weights, weights_of(a) + weights_of(b)) == 0
+    assert max_abs_diff(state, variables_of(opt)) == 0
+    assert int(opt.micro_steps.numpy()) == 1
+
+
+def test_a_variable_never_given_a_gradient_is_never_updated(K, gk, mode):
+    # `b` is trainable but no micro-batch uses it: windows and a flush leave
+    # it as it is, even under AdamW's weight decay.
+    x, y = regression_data()
+    a, b, variables = _two_heads(K)
+    opt = gk.GradientAccumulator(K.optimizers.AdamW(0.05, weight_decay=0.5), steps=2,
+                                 reduction="microbatch")
+
+    def run(xs, ys):
+        grads = mse_grads(a, xs, ys)[1] + [None] * len(b.trainable_variables)
+        opt.apply_gradients(zip(grads, variables))
+
+    step = compile_fn(run, mode)
+    untouched, before = weights_of(b), weights_of(a)
+    for i in range(3):
+        step(x[8 * i:8 * i + 8], y[8 * i:8 * i + 8])
+    compile_fn(opt.flush, mode)()
+    assert int(opt.iterations.numpy()) == 2
+    assert max_abs_diff(untouched, weights_of(b)) == 0
+    assert max_abs_diff(before, weights_of(a)) > 1e-3
 
 
 # ----------------------------------------------------------------- model.fit

@@ -126,6 +126,7 @@ class GradientAccumulator(Wrapper):
         self._binding = None
         self._awaiting_model = False
         self._state = None
+        self._with_gradient = None  # which variables the first micro-step gave a gradient
         if model is not None:
             self.attach(model)
 
@@ -183,6 +184,7 @@ class GradientAccumulator(Wrapper):
                 "context, i.e. inside `strategy.run`.")
         self._input_aggregated = bool(aggregated)
         grads = self._align(grads, variables)
+        self._check_same_variables(grads)
         if self.nonfinite == "raise":
             grads = _check_numerics(grads)
         weight = self._micro_batch_weight(sample_count)
@@ -219,6 +221,27 @@ class GradientAccumulator(Wrapper):
                     "GradientAccumulator for a new set of variables.")
             by_key[key] = g
         return [by_key.get(self._var_key(v)) for v in self._trainable_variables]
+
+    def _check_same_variables(self, grads):
+        """Refuses a micro-step that gives gradients to other variables than
+        the first one did: the window's update covers the variables with a
+        gradient, so the sums of the others would be dropped (or variables
+        never trained would be updated). Python, before any state changes."""
+        with_gradient = tuple(g is not None for g in grads)
+        if self._with_gradient is None:
+            self._with_gradient = with_gradient
+        if with_gradient == self._with_gradient:
+            return
+        names = [getattr(v, "path", None) or v.name for v, now, first in
+                 zip(self._trainable_variables, with_gradient, self._with_gradient)
+                 if now != first]
+        raise ValueError(
+            "GradientAccumulator: every micro-step must give gradients to the same "
+            f"variables; these had a gradient in one micro-step and None in another: "
+            f"{names}. A window's update would drop what the others accumulated. Pass "
+            "a gradient for every variable on every micro-step (tf.zeros_like(v) for "
+            "a variable a micro-batch does not use), or use one GradientAccumulator "
+            "per set of variables that train together.")
 
     def _apply_window(self, total_weight, has_grad):
         replicas = (1 if getattr(self, "_input_aggregated", False)
@@ -264,7 +287,7 @@ class GradientAccumulator(Wrapper):
         accumulation.start_next_window(self._state, tf.constant(True))
 
     def _flush_in_replica(self):
-        has_grad = [True] * len(self._trainable_variables)
+        has_grad = list(self._with_gradient or [True] * len(self._trainable_variables))
         distributed_window.micro_step(
             self._state, [None] * len(has_grad), weight=None, accept=True,
             steps=self.steps, force=True,
