@@ -325,7 +325,8 @@ def summary_lines(per_seed, epochs):
         lines.append("")
     if jit_mse and not step:
         lines += [f"Final MSE under XLA no worse than without it (within 2x): "
-                  f"{sum(r <= 2 for r in jit_mse)}/{len(jit_mse)} seeds; ours-graph ms/step / "
+                  f"{sum(r <= 2 for r in jit_mse)}/{len(jit_mse)} seeds; "
+                  f"{paired_text(jit_mse)}; ours-graph ms/step / "
                   f"ours-jit ms/step {ratio_text(jit_vs_graph)}.", ""]
     if step and jit_vs_graph:
         lines += [
@@ -335,9 +336,25 @@ def summary_lines(per_seed, epochs):
             f">= 20x the peer per step: {sum(r >= 20 for r in step)}/{len(step)} seeds "
             f"(median {statistics.median(step):.1f}x); final MSE under XLA no worse than "
             f"without it (within the 2x seed-to-seed spread of late mini-batch LM): "
-            f"{sum(r <= 2 for r in jit_mse)}/{len(jit_mse)} seeds.",
+            f"{sum(r <= 2 for r in jit_mse)}/{len(jit_mse)} seeds; {paired_text(jit_mse)}.",
             ""]
     return lines
+
+
+def paired_text(ratios):
+    """Whether per-seed ratios (XLA / no XLA) lean one way beyond the seeds'
+    spread: how many exceed 1, their mean log10, and a paired Wilcoxon
+    signed-rank test of the log ratios (when scipy is installed)."""
+    logs = [float(np.log10(r)) for r in ratios if r > 0]
+    text = (f"XLA's higher in {sum(x > 0 for x in logs)}/{len(logs)} seeds, mean "
+            f"log10(XLA / no XLA) {statistics.mean(logs):+.2f}")
+    try:
+        from scipy.stats import wilcoxon  # noqa: PLC0415 - optional (test extra)
+    except ImportError:
+        return text + " (install scipy for a paired Wilcoxon test)"
+    if len(logs) < 6:
+        return text
+    return text + f", paired Wilcoxon signed-rank p = {wilcoxon(logs).pvalue:.2f}"
 
 
 def has_matplotlib():
