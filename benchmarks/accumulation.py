@@ -417,10 +417,11 @@ def worker_distributed(args):
 # --------------------------------------------------------------------------
 # Parent side: runs workers, never imports TensorFlow.
 # --------------------------------------------------------------------------
-def _run_worker(worker_args, flavour):
+def _run_worker(worker_args, flavour, script=__file__):
+    """Runs ``script --worker ...`` in the flavour's own process; its result."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                TF_USE_LEGACY_KERAS="1" if flavour == "tf_keras" else "0")
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker"] + worker_args
+    cmd = [sys.executable, os.path.abspath(script), "--worker"] + worker_args
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_TAG):

@@ -27,8 +27,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import time
 
 import accumulation as fit_bench  # the same models, data and worker plumbing
@@ -142,25 +140,14 @@ def verdicts(rows):
     return "\n".join(out)
 
 
-def _run_worker(flavour, args):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               TF_USE_LEGACY_KERAS="1" if flavour == "tf_keras" else "0")
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--flavour", flavour,
-           "--steps", str(args.steps), "--repeats", str(args.repeats)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):])
-    tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-    raise RuntimeError(f"worker {flavour} failed (exit {proc.returncode}):\n{tail}")
-
-
 def parent(args):
     started, load = time.time(), os.getloadavg()[0]
     rows = []
     for flavour in args.flavours:
         print(f"[{time.time() - started:6.1f}s] {flavour}", flush=True)
-        rows += _run_worker(flavour, args)
+        rows += fit_bench._run_worker(
+            ["--flavour", flavour, "--steps", str(args.steps), "--repeats", str(args.repeats)],
+            flavour, script=__file__)
     report = "\n".join([
         "# Gradient accumulation in a custom GradientTape loop, jit_compile=True",
         "",

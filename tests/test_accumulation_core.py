@@ -157,6 +157,24 @@ def test_each_variable_keeps_the_kind_of_its_first_gradient(mode):
     np.testing.assert_array_equal(_sums(state)[1], np.full([4, 2], 2.0))
 
 
+def test_a_variable_first_without_gradient_keeps_exact_marks(mode):
+    # Its first micro-step gives it None: it takes the "rows" kind, costs
+    # nothing while it gets none, and a dense gradient later is still exact.
+    a, b = tf.Variable(tf.zeros([2])), tf.Variable(tf.zeros([2, 2]))
+    state = _state([a, b])
+    both = compile_fn(lambda ga, gb: A.accumulate(state, [ga, gb], 1.0), mode)
+    only_a = compile_fn(lambda ga: A.accumulate(state, [ga, None], 1.0), mode)
+    ga = tf.constant([1.0, 2.0])
+    only_a(ga)
+    assert state.kinds == ["dense", "rows"]
+    both(ga, tf.fill([2, 2], 3.0))
+    A.start_next_window(state, tf.constant(True))
+    only_a(ga)
+    np.testing.assert_array_equal(_sums(state)[1], np.zeros([2, 2]))
+    both(ga, tf.fill([2, 2], 2.0))      # the closed window's 3s never leak in
+    np.testing.assert_array_equal(_sums(state)[1], np.full([2, 2], 2.0))
+
+
 def test_sums_read_before_any_gradient_fix_the_dense_kind(mode):
     # A flush traced before the first micro-step reads every sum as dense; a
     # later IndexedSlices gradient is densified, and nothing stale leaks in.

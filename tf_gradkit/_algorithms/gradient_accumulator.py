@@ -241,7 +241,8 @@ class GradientAccumulator(Wrapper):
             f"{names}. A window's update would drop what the others accumulated. Pass "
             "a gradient for every variable on every micro-step (tf.zeros_like(v) for "
             "a variable a micro-batch does not use), or use one GradientAccumulator "
-            "per set of variables that train together.")
+            "per set of variables that train together (after freezing or unfreezing "
+            "layers, compile with a new GradientAccumulator).")
 
     def _apply_window(self, total_weight, has_grad):
         replicas = (1 if getattr(self, "_input_aggregated", False)

@@ -37,8 +37,10 @@ would have overflowed long before). 16-bit sums are added up in float32.
 
 Dense sums need no marks. A variable's first use fixes its *kind* (decided at
 trace time and kept on the state): ``"rows"`` when its first gradient is
-``IndexedSlices``, ``"dense"`` otherwise. Every accepted micro-step writes
-every dense sum (a ``None`` gradient adds zeros), so a dense sum belongs to
+``IndexedSlices`` or ``None`` (the marks stay exact whatever comes later,
+and a variable that never gets a gradient costs nothing), ``"dense"``
+otherwise. Every accepted micro-step writes every dense sum (a ``None``
+gradient adds zeros), so a dense sum belongs to
 the open window exactly when the window has a micro-step: its add is gated by
 that one scalar and reads and writes no marks. (Reading a mark and writing it
 back in the same step cost every micro-step 5-10% on a 400k-parameter MLP
@@ -120,10 +122,11 @@ def _current(row_window, window, rank):
     return tf.reshape(current, [-1] + [1] * max(rank - 1, 0)) if rank else current[0]
 
 
-def _kind(state, index, gradient=None):
-    """The variable's kind (module doc), fixed by its first use."""
+def _kind(state, index, first="dense"):
+    """The variable's kind (module doc), fixed by its first use: ``first``
+    when it is still undecided."""
     if state.kinds[index] is None:
-        state.kinds[index] = "rows" if isinstance(gradient, tf.IndexedSlices) else "dense"
+        state.kinds[index] = first
     return state.kinds[index]
 
 
@@ -150,10 +153,12 @@ def accumulate(state: AccumulationState, grads, weight, accept=True):
         lambda new, old: tf.where(accept, new, old))
     written = []  # per "rows" sum: are the values this micro-step wrote finite
     for index, (acc, rows, g) in enumerate(zip(state.acc_grads, state.row_windows, grads)):
-        if g is None and state.kinds[index] == "rows":
+        sparse_or_none = g is None or isinstance(g, tf.IndexedSlices)
+        kind = _kind(state, index, "rows" if sparse_or_none else "dense")
+        if g is None and kind == "rows":
             continue  # the marks keep this sum's rows as they are
         w = tf.cast(weight, acc.dtype)
-        if _kind(state, index, g) == "dense":
+        if kind == "dense":
             g = tf.zeros_like(acc) if g is None else tf.convert_to_tensor(g)
             base = tf.where(started, acc, tf.zeros_like(acc))
             acc.assign(gate(base + tf.cast(g, acc.dtype) * w, acc))
