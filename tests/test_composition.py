@@ -5,11 +5,13 @@ plain optimizers) or is refused at construction with a message naming both
 classes and what to write instead. docs/composing.md shows the same table.
 
 Wrappers: GradientAccumulator ("acc"), Projected ("proj"),
-AugmentedLagrangian ("lagr"), pruning.MaskAware ("mask", tf_keras only) and
-Keras's LossScaleOptimizer ("lso"). Inner optimizers: SGD, Adam, Adam with
-``use_ema``, LevenbergMarquardt, ConditionalGradient (Frank-Wolfe), Keras 3's
-``gradient_accumulation_steps``, Keras's LossScaleOptimizer, and each of our
-wrappers around SGD or Adam.
+AugmentedLagrangian ("lagr"), pruning.MaskAware ("mask", tf_keras only),
+Keras's LossScaleOptimizer ("lso") and Keras 3.15's MultiOptimizer ("multi",
+Keras 3 only: the inner optimizer takes the first layer, SGD the rest).
+Inner optimizers: SGD, Adam, Adam with ``use_ema``, LevenbergMarquardt,
+ConditionalGradient (Frank-Wolfe), Keras 3's ``gradient_accumulation_steps``,
+Keras's LossScaleOptimizer, a MultiOptimizer (SGD for the first layer, Adam
+for the rest), and each of our wrappers around SGD or Adam.
 
 By hand, with the same data (4 batches of 8) and initial weights:
   acc(I, 2)   the inner step on the mean gradient of each 2 batches;
@@ -18,7 +20,9 @@ By hand, with the same data (4 batches of 8) and initial weights:
               constraint |first kernel|^2 - 1 <= 0, rho = 1, multipliers 0
               (no dual update in 4 steps);
   mask(I)     the inner step on masked gradients, then weights * mask;
-  lso(I)      the inner step (scales are powers of 2: exact).
+  lso(I)      the inner step (scales are powers of 2: exact);
+  multi(I)    I's step on the first layer's variables, SGD's on the others;
+  multi       SGD on the first layer's variables, Adam on the others.
 """
 
 import numpy as np
@@ -30,9 +34,9 @@ from helpers import ROUNDOFF, max_abs_diff, mlp, regression_data, weights_of
 from tf_gradkit import constraints as C
 
 K3 = FLAVOUR == "keras3"
-WRAPPERS = ["acc", "proj", "lagr", "lso"] + ([] if K3 else ["mask"])
+WRAPPERS = ["acc", "proj", "lagr", "lso"] + (["multi"] if K3 else ["mask"])
 INNERS = ["sgd", "adam", "ema", "lm", "fw", "lso(adam)", "acc(sgd)", "proj(adam)",
-          "lagr(adam)"] + (["kacc(sgd)"] if K3 else ["mask(sgd)"])
+          "lagr(adam)"] + (["kacc(sgd)", "multi"] if K3 else ["mask(sgd)"])
 
 # The refused cells, each with what its message must say (both class names
 # and the advice). Everything else must equal the by-hand loop.
@@ -57,6 +61,13 @@ if K3:  # Keras 3's compile would wrap the wrapper in a second loss-scale optimi
                                      r".*unscaled twice.*outside")
     REFUSED[("proj", "lso(adam)")] = (r"Projected cannot wrap LossScaleOptimizer"
                                       r".*unscaled twice.*outside")
+# Cells Keras refuses when the MultiOptimizer is built (the first fit), with
+# what the error says; nothing changes.
+REFUSED_AT_FIT = {
+    ("multi", "lm"): r"LevenbergMarquardt needs residuals",
+    ("multi", "lso(adam)"): r"LossScaleOptimizer cannot be used inside an MultiOptimizer",
+    ("multi", "multi"): r"MultiOptimizer cannot be used inside an MultiOptimizer",
+}
 # Cells whose by-hand equivalence has its own test elsewhere.
 ELSEWHERE = {
     ("mask", "lm"): "test_lm_support.py: MaskAware(LM) equals LM on the restricted problem",
@@ -79,7 +90,17 @@ def _parse(name):
     return name, None
 
 
-def _leaf(K, gk, name):
+def _first_layer(model):
+    """The MultiOptimizer cells' groups: the first layer's variables, the rest."""
+    keys = {id(v) for v in model.trainable_variables[:2]}
+    return lambda v: id(v) in keys
+
+
+def _leaf(K, gk, name, model=None):
+    if name == "multi":
+        first = _first_layer(model)
+        sgd, adam = K.optimizers.SGD(0.1), K.optimizers.Adam(0.05)
+        return K.optimizers.MultiOptimizer(lambda v: sgd if first(v) else adam)
     if name == "sgd":
         return K.optimizers.SGD(0.1)
     if name == "adam":
@@ -97,7 +118,7 @@ def build(K, gk, name, model):
     if inner_name is None:
         if name == "lm":
             return gk.LevenbergMarquardt()
-        return _leaf(K, gk, name)
+        return _leaf(K, gk, name, model)
     if outer == "kacc":
         return K.optimizers.SGD(0.1, gradient_accumulation_steps=2)
     inner = build(K, gk, inner_name, model)
@@ -112,6 +133,9 @@ def build(K, gk, name, model):
             dual_every=1000, initial_penalty=RHO)
     if outer == "lso":
         return K.mixed_precision.LossScaleOptimizer(inner)
+    if outer == "multi":
+        first, rest = _first_layer(model), K.optimizers.SGD(0.1)
+        return K.optimizers.MultiOptimizer(lambda v: inner if first(v) else rest)
     if outer == "mask":
         from tf_gradkit import pruning  # noqa: PLC0415
         return pruning.MaskAware(inner, masks={model.trainable_variables[0].ref(): MASK})
@@ -122,10 +146,25 @@ def by_hand(K, gk, name, variables, leaves):
     """``step(grads)`` doing what composition ``name`` promises, from plain
     optimizers, on ``variables``; what ends a fit goes into ``leaves``."""
     outer, inner_name = _parse(name)
+    if name == "multi":
+        sgd, adam = K.optimizers.SGD(0.1), K.optimizers.Adam(0.05)
+
+        def step(grads):
+            sgd.apply_gradients(zip(grads[:2], variables[:2]))
+            adam.apply_gradients(zip(grads[2:], variables[2:]))
+        return step
     if inner_name is None:
         opt = _leaf(K, gk, name)
         leaves.append(lambda: opt.finalize_variable_values(variables))
         return lambda grads: opt.apply_gradients(zip(grads, variables))
+    if outer == "multi":
+        first = by_hand(K, gk, inner_name, variables[:2], leaves)
+        rest = K.optimizers.SGD(0.1)
+
+        def step(grads):
+            first(grads[:2])
+            rest.apply_gradients(zip(grads[2:], variables[2:]))
+        return step
     if outer == "kacc":
         opt = K.optimizers.SGD(0.1, gradient_accumulation_steps=2)
         return lambda grads: opt.apply_gradients(zip(grads, variables))
@@ -192,6 +231,12 @@ def test_composition_is_exact_or_refused(K, gk, cell):
         return
     opt = build(K, gk, cell, model)
     model.compile(optimizer=opt, loss="mse")
+    if (wrapper, inner) in REFUSED_AT_FIT:
+        before = weights_of(model)
+        with pytest.raises(ValueError, match=REFUSED_AT_FIT[(wrapper, inner)]):
+            model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        assert max_abs_diff(before, weights_of(model)) == 0
+        return
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
 
     reference = mlp(K)
@@ -212,6 +257,7 @@ def test_composition_is_exact_or_refused(K, gk, cell):
 def test_every_refusal_is_a_real_cell():
     cells = {_parse(c) for c in _cells()}
     assert {c for c in REFUSED if c[0] in WRAPPERS and c[1] in INNERS} <= cells
+    assert {c for c in REFUSED_AT_FIT if c[0] in WRAPPERS and c[1] in INNERS} <= cells
     assert {c for c in ELSEWHERE if c[0] in WRAPPERS and c[1] in INNERS} <= cells
 
 
@@ -254,3 +300,70 @@ def test_loss_scale_outside_under_mirrored_strategy_equals_one_device(K, gk, mir
     model.fit(x, y, batch_size=8 if wrapper == "acc" else 16, epochs=1, shuffle=False,
               verbose=0)
     assert max_abs_diff(weights_of(ref), weights_of(model)) < ROUNDOFF
+
+
+def test_a_bound_lm_inside_a_multioptimizer_is_refused(K, gk):
+    # LM's fit step solves for every variable: as one group's optimizer it
+    # would train the other groups too.
+    if not K3:
+        pytest.skip("MultiOptimizer is Keras 3's")
+    x, y = regression_data(n=16)
+    model = mlp(K)
+    lm, first = gk.LevenbergMarquardt(model), _first_layer(model)
+    sgd = K.optimizers.SGD(0.1)
+    model.compile(optimizer=K.optimizers.MultiOptimizer(lambda v: lm if first(v) else sgd),
+                  loss="mse")
+    before = weights_of(model)
+    with pytest.raises(ValueError, match=r"LevenbergMarquardt cannot be one of "
+                       r"MultiOptimizer's optimizers.*trainable = False"):
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert max_abs_diff(before, weights_of(model)) == 0
+
+
+def test_projected_in_a_multioptimizer_refuses_constraints_on_other_groups(K, gk):
+    if not K3:
+        pytest.skip("MultiOptimizer is Keras 3's")
+    x, y = regression_data(n=16)
+    model = mlp(K)
+    proj = gk.Projected(K.optimizers.SGD(0.1), {"kernel": C.NonNeg()}, model=model)
+    first, sgd = _first_layer(model), K.optimizers.SGD(0.1)
+    model.compile(optimizer=K.optimizers.MultiOptimizer(
+        lambda v: proj if first(v) else sgd), loss="mse")
+    before = weights_of(model)
+    with pytest.raises(ValueError, match=r"constraints name \[.*kernel.*which this "
+                       r"optimizer is not given.*never be projected"):
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert max_abs_diff(before, weights_of(model)) == 0
+
+
+def test_lagrangian_in_a_multioptimizer_refuses_constraints_on_other_groups(K, gk):
+    if not K3:
+        pytest.skip("MultiOptimizer is Keras 3's")
+    x, y = regression_data(n=16)
+    model = mlp(K)
+    last_kernel = model.trainable_variables[2]
+    lagr = gk.AugmentedLagrangian(
+        K.optimizers.SGD(0.1),
+        [gk.Inequality(lambda: tf.reduce_sum(tf.square(last_kernel)) - 1.0, name="norm")])
+    first, sgd = _first_layer(model), K.optimizers.SGD(0.1)
+    model.compile(optimizer=K.optimizers.MultiOptimizer(
+        lambda v: lagr if first(v) else sgd), loss="mse")
+    with pytest.raises(ValueError, match=r"constraints \['norm'\] depend on .*not given"):
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+
+
+def test_an_accumulator_in_a_multioptimizer_counts_and_flushes_its_windows(K, gk):
+    # The issue's case: the accumulator's window must open (its model
+    # binding sees through the MultiOptimizer) and its layer must move only
+    # at real updates, including the epoch-end flush of a short window.
+    if not K3:
+        pytest.skip("MultiOptimizer is Keras 3's")
+    x, y = regression_data(n=40)
+    model = mlp(K)
+    acc = gk.GradientAccumulator(K.optimizers.SGD(0.1), steps=4, model=model)
+    first, sgd = _first_layer(model), K.optimizers.SGD(0.1)
+    model.compile(optimizer=K.optimizers.MultiOptimizer(lambda v: acc if first(v) else sgd),
+                  loss="mse")
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    # 5 micro-batches an epoch: one full window and a flushed one of 1.
+    assert int(acc.iterations.numpy()) == 4 and int(acc.micro_steps.numpy()) == 10

@@ -484,3 +484,35 @@ def test_import_neither_imports_tfmot_nor_sets_environment():
     result = subprocess.run([sys.executable, "-c", code], env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("fmt", ["keras", "h5", "savedmodel"])
+def test_save_mid_schedule_load_alone_and_continue_exactly(tmp_path, fmt):
+    # load_model (in tfmot's prune_scope) gives the loaded MaskAware its
+    # masks again, and its state (SavedModel: read back by tf_gradkit, as
+    # tf_keras does not): the resumed run equals the one that never stopped.
+    x, y = _data()
+
+    def make():
+        model = _pruned_mlp()
+        model.compile(optimizer=pruning.MaskAware(tf_keras.optimizers.Adam(0.02),
+                                                  model=model), loss="mse")
+        return model
+
+    def fit(model, a, b):
+        model.fit(x[a:b], y[a:b], batch_size=8, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[pruning.UpdatePruningStepFromOptimizer()])
+
+    full, stopped = make(), make()
+    fit(full, 0, 32)
+    fit(stopped, 0, 32)
+    path = str(tmp_path / {"keras": "m.keras", "h5": "m.h5", "savedmodel": "saved"}[fmt])
+    stopped.save(path)
+    with sparsity.prune_scope():
+        loaded = tf_keras.models.load_model(path)
+    fit(full, 32, 64)
+    fit(loaded, 32, 64)
+    same = [np.array_equal(a, b) for a, b in zip(full.get_weights(), loaded.get_weights())]
+    assert all(same)
+    assert _nonzero_pruned(loaded, loaded.optimizer) == (0, 0)
+    assert int(loaded.optimizer.iterations.numpy()) == int(full.optimizer.iterations.numpy())

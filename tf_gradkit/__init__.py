@@ -36,25 +36,27 @@ __all__ = [
 ]
 
 def attach(model):
-    """Binds ``model``'s tf_gradkit optimizers to it again, after loading.
+    """Binds ``model``'s tf_gradkit optimizers to it (what ``model=`` does).
 
     A saved model (``.keras``, SavedModel, HDF5) keeps its optimizer's
     configuration and state but not the optimizer's link to the model, which
     `LevenbergMarquardt` (its train step), `GradientAccumulator` (batch
-    sizes, epoch ends), `AugmentedLagrangian` (output constraints) and
-    `pruning.MaskAware` (masks) need under ``fit``. Call this once after
-    ``load_model``; every optimizer in the model's optimizer chain that needs
-    its model gets it (what their ``model=`` argument does). Optimizers that
-    need it refuse to train until then, with a message saying so.
+    sizes, loss counts, epoch ends), `AugmentedLagrangian` (output
+    constraints) and `pruning.MaskAware` (masks) need under ``fit``.
+    ``load_model`` binds them again by itself (Keras's loader says which
+    model it loads). This is for optimizers made by ``from_config`` by hand
+    and given to another model: every optimizer in the model's optimizer
+    chain that needs its model gets it. Until then they refuse to train,
+    with a message saying so. Calling it on a bound model changes nothing.
 
     Returns:
       ``model``.
 
     Example:
 
-    >>> model = keras.models.load_model("run.keras")
+    >>> model.compile(optimizer=GradientAccumulator.from_config(config), loss="mse")
     >>> tf_gradkit.attach(model)
-    >>> model.fit(x, y)  # continues exactly where the saved run stopped
+    >>> model.fit(x, y)
     """
     from tf_gradkit._model_hooks import optimizer_chain  # noqa: PLC0415
 
@@ -71,10 +73,10 @@ def load_optimizer_state(model, saved_model_dir):
     tf_keras's ``load_model`` gives a SavedModel directory's weights and the
     optimizer's configuration back, but not the optimizer's state, for every
     optimizer (Adam's moments and ``iterations`` too, measured with tf_keras
-    2.21), although the directory holds it. This restores it: the
-    optimizer is built for the model's variables and its variables are read
-    from ``<saved_model_dir>/variables``. Then call `attach` if the
-    optimizer needs its model.
+    2.21), although the directory holds it. tf_gradkit's optimizers read
+    theirs back by themselves (when they are built); this restores Keras's
+    own too: the optimizer is built for the model's variables and its
+    variables (only those) are read from ``<saved_model_dir>/variables``.
 
     Returns:
       ``model``.
@@ -91,7 +93,7 @@ def load_optimizer_state(model, saved_model_dir):
 
     model.optimizer.build(model.trainable_variables)
     path = os.path.join(saved_model_dir, "variables", "variables")
-    tf.train.Checkpoint(root=model).restore(path).expect_partial()
+    tf.train.Checkpoint(optimizer=model.optimizer).restore(path).expect_partial()
     return model
 
 

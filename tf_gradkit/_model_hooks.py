@@ -37,13 +37,55 @@ import weakref
 _HOOKED = ("train_step", "compute_loss", "fit")
 
 
+def sub_optimizers(optimizer):
+    """The optimizers ``optimizer`` hands work to: the one it wraps
+    (``inner_optimizer``: our wrappers, Keras's LossScaleOptimizer) or the
+    ones it dispatches variable groups to (``optimizers``: Keras 3.15's
+    ``MultiOptimizer``, whose list is complete once it is built)."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        return [inner]
+    group = getattr(optimizer, "optimizers", None)
+    return list(group) if isinstance(group, (list, tuple)) else []
+
+
+def _groups_unknown(optimizer):
+    """A dispatcher (``optimizers``) not built yet: its list may grow."""
+    return isinstance(getattr(optimizer, "optimizers", None), (list, tuple)) and not \
+        getattr(optimizer, "built", True)
+
+
+def dispatches(optimizer):
+    """Whether ``optimizer`` gives each of its sub-optimizers only a group of
+    the variables (``MultiOptimizer``), rather than wrapping one."""
+    return getattr(optimizer, "inner_optimizer", None) is None and bool(
+        sub_optimizers(optimizer))
+
+
 def optimizer_chain(optimizer):
-    """``optimizer`` and the optimizers it wraps, outermost first."""
+    """``optimizer`` and every optimizer below it (wrapped or dispatched to),
+    outermost first, depth first, each once."""
     chain = []
-    while optimizer is not None and all(optimizer is not o for o in chain):
-        chain.append(optimizer)
-        optimizer = getattr(optimizer, "inner_optimizer", None)
+    stack = [] if optimizer is None else [optimizer]
+    while stack:
+        current = stack.pop()
+        if any(current is o for o in chain):
+            continue
+        chain.append(current)
+        stack.extend(reversed(sub_optimizers(current)))
     return chain
+
+
+def path_to(root, optimizer):
+    """The optimizers from ``root`` down to ``optimizer`` (both included), or
+    None when ``optimizer`` is not below ``root``."""
+    if root is optimizer:
+        return [root]
+    for sub in sub_optimizers(root):
+        below = path_to(sub, optimizer)
+        if below is not None:
+            return [root] + below
+    return None
 
 
 class ModelBinding:
@@ -56,11 +98,13 @@ class ModelBinding:
         self._bound = []            # weak references to bound optimizers
         self._callback_base = callback_base
         self._hooked = False
-        # Per replica, the batch size of the train step being traced: keyed
-        # by replica id, not thread, because a LossScaleOptimizer outside
-        # runs the inner update through `call_for_each_replica` from a
-        # merge_call, on threads other than the train step's.
-        self._batch_sizes = {}
+        # Per replica, what the train step being traced knows (its batch, the
+        # batch size, values bound optimizers record while its loss is
+        # computed): keyed by replica id, not thread, because a
+        # LossScaleOptimizer outside runs the inner update through
+        # `call_for_each_replica` from a merge_call, on threads other than
+        # the train step's.
+        self._steps = {}
 
     # ------------------------------------------------------------ binding
     @classmethod
@@ -100,18 +144,40 @@ class ModelBinding:
         model = self._model_ref()
         if model is None:
             return
-        if self.active() and not self._hooked:
+        # A MultiOptimizer given a function knows its optimizers only once
+        # it is built (the first fit): until then it may hold a bound one.
+        pending = any(_groups_unknown(o) for o in
+                      optimizer_chain(getattr(model, "optimizer", None)))
+        keep = pending or bool(self.active())
+        if keep and not self._hooked:
             self._install(model)
-        elif not self.active() and self._hooked:
+        elif not keep and self._hooked:
             for name in _HOOKED:
                 model.__dict__.pop(name, None)
             self._hooked = False
             _forget_train_function(model)
 
     @property
+    def model(self):
+        return self._model_ref()
+
+    def step_value(self, name):
+        """What the train step being traced on this replica recorded under
+        ``name`` (None outside a train step, or when nothing was recorded):
+        ``"batch_size"`` and ``"data"`` always, ``"loss_arguments"`` (the
+        bound arguments of ``compute_loss``) once the loss is computed."""
+        return (self._steps.get(_replica_key()) or {}).get(name)
+
+    def record(self, name, value):
+        """Records ``value`` for the rest of this replica's train step."""
+        step = self._steps.get(_replica_key())
+        if step is not None:
+            step[name] = value
+
+    @property
     def batch_size(self):
         """The batch size of the train step being traced on this replica."""
-        return self._batch_sizes.get(_replica_key())
+        return self.step_value("batch_size")
 
     # -------------------------------------------------------------- hooks
     def _wrap_compile(self, model):
@@ -134,30 +200,30 @@ class ModelBinding:
 
         @functools.wraps(train_step)
         def hooked_train_step(data):
+            _build_dispatchers(model)
             step = train_step
             for optimizer in reversed(binding.active()):
                 wrap = getattr(optimizer, "_wrap_train_step", None)
                 if wrap is not None:
                     step = wrap(step, model)
             key = _replica_key()
-            previous = binding._batch_sizes.get(key)
-            binding._batch_sizes[key] = _batch_size(data)
+            previous = binding._steps.get(key)
+            binding._steps[key] = {"batch_size": _batch_size(data), "data": data}
             try:
                 return step(data)
             finally:
-                binding._batch_sizes[key] = previous
+                binding._steps[key] = previous
 
         @functools.wraps(compute_loss)
         def hooked_compute_loss(*args, **kwargs):
             loss = compute_loss(*args, **kwargs)
             if binding.batch_size is None:  # not inside our train step
                 return loss
-            arguments = None
+            arguments = loss_signature.bind(*args, **kwargs).arguments
+            binding.record("loss_arguments", arguments)
             for optimizer in binding.active():
                 wrap = getattr(optimizer, "_wrap_loss", None)
                 if wrap is not None:
-                    if arguments is None:
-                        arguments = loss_signature.bind(*args, **kwargs).arguments
                     loss = wrap(loss, arguments)
             return loss
 
@@ -188,6 +254,19 @@ class ModelBinding:
         _forget_train_function(model)
 
 
+def _build_dispatchers(model):
+    """Builds the model's optimizer now, as its first update would, when a
+    MultiOptimizer in it has not yet asked its function which optimizer
+    takes each variable: the bound optimizers among them act from the start
+    of the step (the loss they read, the step LM replaces)."""
+    root = getattr(model, "optimizer", None)
+    if any(_groups_unknown(o) for o in optimizer_chain(root)):
+        import tensorflow as tf  # noqa: PLC0415
+
+        with tf.init_scope():
+            root.build(model.trainable_variables)
+
+
 def _forget_train_function(model):
     """Keras 3 binds ``train_step`` when it makes its train function (the
     first ``fit`` after a compile), so one made before the hooks changed is
@@ -210,6 +289,24 @@ def _batch_size(data):
 
     first = tf.nest.flatten(data)[0]
     return tf.shape(first)[0]
+
+
+def bind_after_load(optimizer, bound):
+    """Binds an optimizer made by ``from_config`` to the model its Keras is
+    loading it for (the host's ``_note_loading``), when it was bound when
+    saved: a loaded optimizer belongs to exactly that model, so ``fit``
+    needs no ``tf_gradkit.attach(model)`` first. Returns whether it bound;
+    where it cannot (``from_config`` called by hand, a model LM cannot take
+    over), ``attach`` stays the way and the optimizer says so when it
+    trains."""
+    model = optimizer._model_loaded_for()  # pylint: disable=protected-access
+    if model is None or not bound:
+        return False
+    try:
+        optimizer.attach(model)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def check_model(optimizer, model):

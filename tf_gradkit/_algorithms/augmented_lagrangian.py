@@ -15,8 +15,6 @@ Where each constraint's terms enter the gradient:
   train step's logs).
 """
 
-import importlib
-import inspect
 from collections.abc import Mapping
 
 import tensorflow as tf
@@ -153,6 +151,7 @@ class AugmentedLagrangian(Wrapper):
         loading a saved model (``tf_gradkit.attach(model)``)."""
         self._check_model(model)
         _model_hooks.ModelBinding.bind(model, self, self._CALLBACK)
+        self._bound = True
         return self
 
     def _wrap_train_step(self, step, model):
@@ -289,6 +288,7 @@ class AugmentedLagrangian(Wrapper):
                     [self._state_vars.multipliers[i] for i in closure],
                     self._state_vars.penalty)
             extra = tape.gradient(terms, variables)
+            self._check_constraint_variables(tape.watched_variables(), variables, closure)
             # Already all-reduced gradients (a LossScaleOptimizer outside does
             # that) get the whole term; otherwise each replica adds 1/R of it
             # and the inner optimizer's sum over replicas restores it.
@@ -351,6 +351,22 @@ class AugmentedLagrangian(Wrapper):
         return {"lagrange_violation": metrics["lagrange_violation"],
                 "penalty": metrics["penalty"]}
 
+    def _check_constraint_variables(self, watched, variables, closure):
+        """Refuses constraints on trainable variables this optimizer does not
+        update (a MultiOptimizer gives them to another): their share of the
+        penalty's gradient would be dropped."""
+        keys = {self._var_key(v) for v in variables}
+        outside = sorted({self._path(v) for v in watched
+                          if v.trainable and self._var_key(v) not in keys})
+        if outside:
+            names = [self._specs[i].name for i in closure]
+            raise ValueError(
+                f"{OWNER}: constraints {names} depend on {outside}, which this "
+                "optimizer is not given (a MultiOptimizer gives them to another "
+                "optimizer), so their share of the penalty's gradient would be "
+                "dropped. Wrap the optimizer of every variable a constraint reads "
+                "(e.g. AugmentedLagrangian(MultiOptimizer(...))).")
+
     def get_config(self):
         return {
             "name": self.name,
@@ -366,33 +382,9 @@ class AugmentedLagrangian(Wrapper):
             "max_penalty": self.max_penalty,
             "decrease": self.decrease,
             "tolerance": self.tolerance,
+            # Keras's loader binds it to the loaded model again (`attach`).
+            "bound_to_model": getattr(self, "_bound", False),
         }
-
-    def _saved_function(self, fn):
-        """``{"fn": ...}`` for a function Keras can save by name (defined at
-        a module's top level), ``{}`` for a lambda or closure."""
-        qualname = getattr(fn, "__qualname__", "")
-        if (not inspect.isfunction(fn) or "<" in qualname
-                or fn.__closure__ is not None):
-            return {}
-        return {"fn": self._serialize(fn)}
-
-    @classmethod
-    def _load_function(cls, saved, custom_objects):
-        """The function `_saved_function` saved: by its registered name, else
-        its module and name (legacy deserialisation, used by HDF5 and
-        SavedModel loading, knows neither form)."""
-        if isinstance(saved, dict):
-            registered = saved.get("registered_name")
-            fn = (custom_objects or {}).get(saved.get("config"))
-            if fn is None and registered:
-                fn = cls._registered(registered)
-            if fn is None and saved.get("module"):
-                module = importlib.import_module(saved["module"])
-                fn = getattr(module, saved.get("config"), None)
-            if fn is not None:
-                return fn
-        return cls._deserialize_function(saved, custom_objects=custom_objects)
 
     @classmethod
     def from_config(cls, config, custom_objects=None, constraints=None):
@@ -401,6 +393,7 @@ class AugmentedLagrangian(Wrapper):
         closures (over variables, say) cannot be saved: pass the constraints
         again as ``constraints``."""
         config = dict(config)
+        bound = config.pop("bound_to_model", False)
         recorded = config.pop("constraints", [])
         if constraints is None:
             unsaved = [c["name"] for c in recorded if "fn" not in c]
@@ -416,7 +409,10 @@ class AugmentedLagrangian(Wrapper):
                 cls._load_function(c["fn"], custom_objects),
                 c["kind"], name=c["name"], shape=c["shape"]) for c in recorded]
         inner = cls._inner_from_config(config, custom_objects)
-        return cls(inner, constraints, **config)
+        optimizer = cls(inner, constraints, **config)
+        optimizer._bound = bool(bound)  # until attached: saved the same again
+        _model_hooks.bind_after_load(optimizer, bound)
+        return optimizer
 
 
 def _add(grad, extra, variable, replicas):

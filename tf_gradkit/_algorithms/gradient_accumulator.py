@@ -2,11 +2,13 @@
 (the rule is `tf_gradkit.core.accumulation`, the window's close under
 ``tf.distribute`` `tf_gradkit.core.distributed_window`)."""
 
+import warnings
 import weakref
 
 import tensorflow as tf
 
 from tf_gradkit import _model_hooks
+from tf_gradkit._algorithms import loss_denominator
 from tf_gradkit._algorithms.wrapper import Wrapper, no_gradients_error
 from tf_gradkit.core import accumulation
 from tf_gradkit.core import distributed_window
@@ -19,8 +21,19 @@ NONFINITE_POLICIES = ("skip", "raise")
 _REPLICA_FUNCTIONS = weakref.WeakKeyDictionary()
 
 
-def validate_arguments(steps, reduction, epoch_end, nonfinite):
+def validate_arguments(steps, reduction, epoch_end, nonfinite, sample_count=None):
     """Raises a clear error for a bad constructor argument; changes nothing."""
+    if sample_count is not None and not callable(sample_count):
+        raise ValueError(
+            "GradientAccumulator: `sample_count` must be None or a function "
+            "fn(x, y, sample_weight) -> what the loss of that batch divides by. "
+            f"Received: sample_count={sample_count!r}. (In a custom loop pass a "
+            "number to apply_gradients(..., sample_count=n) instead.)")
+    if sample_count is not None and reduction != "example":
+        raise ValueError(
+            "GradientAccumulator: `sample_count` weighs micro-batches, which only "
+            "reduction='example' does. Received: sample_count=<function>, "
+            f"reduction={reduction!r}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(
             "GradientAccumulator: `steps` must be an integer >= 1 (the number "
@@ -44,12 +57,14 @@ class GradientAccumulator(Wrapper):
 
     Each ``apply_gradients`` call adds one micro-batch to a window; when the
     window holds ``steps`` micro-batches the inner optimizer runs once on their
-    combined gradient, so k micro-batches of b examples update the weights the
-    way one batch of k*b examples would (to float32 round-off, for
-    mean-reduced losses), for SGD, momentum, Adam and AdamW alike. Between
-    updates the inner optimizer is not touched at all: no zero-gradient steps,
-    no moment decay, and clipping, weight decay, EMA and constraints run only
-    at the real update.
+    combined gradient, so k micro-batches update the weights the way one
+    batch holding all their examples would (to float32 round-off), for SGD,
+    momentum, Adam and AdamW alike, whatever the loss divides by: examples,
+    unmasked tokens (Keras masks), elements, summed sample weights, or
+    nothing (``reduction="sum"`` losses). Between updates the inner
+    optimizer is not touched at all: no zero-gradient steps, no moment decay,
+    and clipping, weight decay, EMA and constraints run only at the real
+    update.
 
     ``iterations`` counts real (inner) updates, so learning-rate schedules,
     checkpoints and callbacks see real steps. Keras 3's own
@@ -63,12 +78,22 @@ class GradientAccumulator(Wrapper):
         ``mixed_float16`` policy); Keras 3 refuses one inside.
       steps: micro-batches per update, an integer >= 1.
       reduction: how micro-batches combine. ``"example"`` (default): each
-        counts for the examples it holds, so a short last micro-batch weighs
-        what it holds (pass ``apply_gradients(..., sample_count=n)`` in custom
-        loops; under ``model.fit`` pass ``model=`` and the batch size is read
-        from each batch; with neither, the first step is refused).
-        ``"microbatch"``: each micro-batch counts equally. ``"sum"``: the
-        gradients are summed (for losses that are sums over examples).
+        counts for what its loss divides by, so the window's gradient is the
+        big batch's (a micro-batch of 2-token sequences weighs less than one
+        of 12-token sequences when the loss averages over tokens). Under
+        ``model.fit`` pass ``model=``: the count is read from the compiled
+        loss of each batch (its examples, its unmasked tokens under a Keras
+        mask, its summed sample weights under
+        ``"mean_with_sample_weight"``; a ``reduction="sum"`` loss is summed).
+        In custom loops pass ``apply_gradients(..., sample_count=n)``, n
+        being what your loss divides by (examples, or tokens). With neither,
+        the first step is refused. Where the count cannot be read (a
+        ``compute_loss`` override, a loss that returns one value per batch)
+        the examples are used and a warning says so once.
+        ``"microbatch"``: each micro-batch counts equally (Keras's
+        ``gradient_accumulation_steps``; not the big batch when counts
+        differ). ``"sum"``: the gradients are summed (custom loops whose loss
+        is a sum).
       model: optional, the model trained with ``fit``: its ``train_step`` then
         reports batch sizes and its ``fit`` applies the ``epoch_end`` policy.
         Only that model instance is touched (no subclassing needed); after
@@ -77,6 +102,10 @@ class GradientAccumulator(Wrapper):
         data ends under ``fit`` (needs ``model=``): ``"apply"`` (default) it
         now, weighted by what it holds; ``"carry"`` it into the next epoch;
         ``"drop"`` it. In custom loops call ``flush()`` or ``discard()``.
+      sample_count: optional, for ``model.fit``: a function
+        ``fn(x, y, sample_weight)`` giving what the loss of a batch divides by,
+        for losses whose count cannot be read (saved by name when defined at a
+        module's top level).
       nonfinite: ``"skip"`` (default): a window with a NaN/Inf micro-batch
         gradient is discarded whole, weights and optimizer state untouched,
         and ``skipped_windows`` increments. ``"raise"``: raise
@@ -102,7 +131,8 @@ class GradientAccumulator(Wrapper):
     """
 
     accumulates_gradients = True
-    ACCEPTED = "optimizer, steps, reduction, model, epoch_end, nonfinite, name"
+    ACCEPTED = ("optimizer, steps, reduction, model, epoch_end, nonfinite, "
+                "sample_count, name")
     REFUSALS = {
         "same": "Use one GradientAccumulator whose `steps` is the product of both.",
         "residuals": "Give LevenbergMarquardt the whole batch instead (a larger "
@@ -116,13 +146,16 @@ class GradientAccumulator(Wrapper):
     }
 
     def __init__(self, optimizer, steps, reduction="example", model=None,
-                 epoch_end="apply", nonfinite="skip", name=None, **kwargs):
-        validate_arguments(steps, reduction, epoch_end, nonfinite)
+                 epoch_end="apply", nonfinite="skip", sample_count=None, name=None,
+                 **kwargs):
+        validate_arguments(steps, reduction, epoch_end, nonfinite, sample_count)
         self._init_wrapper(optimizer, name or "gradient_accumulator", kwargs)
         self.steps = steps
         self.reduction = reduction
         self.epoch_end = epoch_end
         self.nonfinite = nonfinite
+        self.sample_count = sample_count
+        self._warned = False  # the unknown-denominator warning, said once
         self._binding = None
         self._awaiting_model = False
         self._state = None
@@ -143,6 +176,15 @@ class GradientAccumulator(Wrapper):
 
     def _on_epoch_end(self):
         self.end_epoch()
+
+    def _wrap_loss(self, loss, arguments):
+        """Refuses, as ``fit`` computes the loss and before this optimizer
+        is built or anything changes, a loss whose counts no weight per
+        micro-batch can make exact (`_read_denominator`)."""
+        del arguments  # recorded by the binding, read there
+        if self.reduction == "example" and self.sample_count is None:
+            self._read_denominator()
+        return loss
 
     # ------------------------------------------------------------------ state
     def _build_own(self, var_list):
@@ -187,26 +229,82 @@ class GradientAccumulator(Wrapper):
         self._check_same_variables(grads)
         if self.nonfinite == "raise":
             grads = _check_numerics(grads)
-        weight = self._micro_batch_weight(sample_count)
+        weight, count = self._micro_batch_weight(sample_count)
         accept = True
         if local_step is not None:
             accept = tf.cast(local_step, tf.int64) >= tf.cast(self.iterations, tf.int64)
         has_grad = [g is not None for g in grads]
         distributed_window.micro_step(
-            self._state, grads, weight=weight, accept=accept, steps=self.steps,
+            self._state, grads, weight=weight, count=count, accept=accept,
+            steps=self.steps,
             apply_window=lambda total: self._apply_window(total, has_grad),
             skip_window=lambda total: self._skip_window(total, has_grad),
             count_dropped=self._dropped.assign_add)
         self._micro_steps.assign_add(tf.cast(accept, tf.int64))
 
     def _micro_batch_weight(self, sample_count):
+        """``(weight, count)``: what this micro-batch's gradient is multiplied
+        by, and what it adds to the window's count (the window's gradient is
+        the weighted sum over the count; `loss_denominator`)."""
+        one = tf.constant(1.0, tf.float32)
         if self.reduction != "example":
-            return tf.constant(1.0, tf.float32)
+            return one, one
         if sample_count is None and self._binding is not None:
-            sample_count = self._binding.batch_size
+            return self._count_under_fit()
         if sample_count is None:
             raise _missing_batch_sizes(self._awaiting_model)
-        return tf.cast(sample_count, tf.float32)
+        count = tf.cast(sample_count, tf.float32)
+        return count, count
+
+    def _count_under_fit(self):
+        binding = self._binding
+        if self.sample_count is not None:
+            x, y, sample_weight = self._unpack(binding.step_value("data"))
+            count = tf.cast(self.sample_count(x, y, sample_weight), tf.float32)
+            return count, count
+        found = self._read_denominator()
+        if isinstance(found, loss_denominator.UnknownDenominator):
+            self._warn_unknown(str(found))
+            count = tf.cast(binding.batch_size, tf.float32)
+            return count, count
+        if found.summed:  # weight 1 each, a window count of 1 (its first micro-step)
+            first = tf.equal(self._state.micro_step.read_value(), 0)
+            return tf.constant(1.0, tf.float32), tf.cast(first, tf.float32)
+        return found.count, found.count
+
+    def _read_denominator(self):
+        """What this batch's compiled loss divides by (`loss_denominator`),
+        from the arguments of the ``compute_loss`` call just made; an
+        `UnknownDenominator` when it cannot be read. Raises, before anything
+        changes, what no weight per micro-batch can make exact."""
+        binding = self._binding
+        model, arguments = binding.model, binding.step_value("loss_arguments")
+        try:
+            if arguments is None:
+                raise loss_denominator.UnknownDenominator(
+                    "the model's train_step does not call compute_loss")
+            if self._overrides_compute_loss(model):
+                raise loss_denominator.UnknownDenominator(
+                    f"{type(model).__name__} overrides compute_loss")
+            terms = self._loss_terms(model, arguments.get("y"), arguments.get("y_pred"),
+                                     arguments.get("sample_weight"))
+            return loss_denominator.denominator(
+                terms, binding.batch_size, self._extra_losses(model), type(self).__name__)
+        except loss_denominator.UnknownDenominator as error:
+            return error
+
+    def _warn_unknown(self, why):
+        if self._warned:
+            return
+        self._warned = True
+        warnings.warn(
+            f"{type(self).__name__} cannot read what the model's loss divides by "
+            f"({why}), so it weighs each micro-batch by its examples: a window equals "
+            "the big batch only if the loss averages over examples. If it averages "
+            "over something else (unmasked tokens, sample weights), pass "
+            "sample_count=fn to the GradientAccumulator (fn(x, y, sample_weight) -> "
+            "that count for a batch), or apply_gradients(..., sample_count=n) in "
+            "your own train_step.", UserWarning, stacklevel=3)
 
     def _align(self, grads, variables):
         """Orders gradients like the variables the optimizer was built with."""
@@ -290,7 +388,7 @@ class GradientAccumulator(Wrapper):
     def _flush_in_replica(self):
         has_grad = list(self._with_gradient or [True] * len(self._trainable_variables))
         distributed_window.micro_step(
-            self._state, [None] * len(has_grad), weight=None, accept=True,
+            self._state, [None] * len(has_grad), weight=None, count=None, accept=True,
             steps=self.steps, force=True,
             apply_window=lambda total: self._apply_window(total, has_grad),
             skip_window=lambda total: self._skip_window(total, has_grad),
@@ -349,8 +447,11 @@ class GradientAccumulator(Wrapper):
             "reduction": self.reduction,
             "epoch_end": self.epoch_end,
             "nonfinite": self.nonfinite,
-            # The model cannot be saved with the optimizer; a loaded one
-            # refuses to train under fit until `attach(model)`.
+            "sample_count": (None if self.sample_count is None
+                             else self._saved_function(self.sample_count)),
+            # The model cannot be saved with the optimizer: Keras's loader
+            # binds it again (`bind_after_load`); made by hand from this
+            # config it refuses to train under fit until `attach(model)`.
             "bound_to_model": self._binding is not None or self._awaiting_model,
         }
 
@@ -358,9 +459,19 @@ class GradientAccumulator(Wrapper):
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
         bound = config.pop("bound_to_model", False)
+        saved = config.pop("sample_count", None)
+        if saved is not None:
+            if "fn" not in saved:
+                raise ValueError(
+                    f"{cls.__name__}.from_config: `sample_count` was a lambda or "
+                    "closure, which cannot be saved. Define it at a module's top "
+                    "level (saved by name), or load with compile=False and compile "
+                    "a new GradientAccumulator.")
+            config["sample_count"] = cls._load_function(saved["fn"], custom_objects)
         inner = cls._inner_from_config(config, custom_objects)
         optimizer = cls(inner, **config)
         optimizer._awaiting_model = bool(bound)
+        _model_hooks.bind_after_load(optimizer, bound)
         return optimizer
 
 

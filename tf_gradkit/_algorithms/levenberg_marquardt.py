@@ -152,10 +152,21 @@ class LevenbergMarquardt:
         if _model_hooks.overrides_train_step(model, self._DEFAULT_MODEL):
             raise ValueError(CUSTOM_TRAIN_STEP)
         _model_hooks.ModelBinding.bind(model, self, self._CALLBACK)
+        self._bound = True
         return self
 
     def _wrap_train_step(self, step, model):
         del step  # LM's step replaces the model's (checked at `attach`)
+        path = _model_hooks.path_to(getattr(model, "optimizer", None), self) or []
+        groups = [o for o in path[:-1] if _model_hooks.dispatches(o)]
+        if groups:
+            raise ValueError(
+                f"LevenbergMarquardt cannot be one of {type(groups[0]).__name__}'s "
+                "optimizers: its fit step solves for every trainable variable of the "
+                "model at once, so it would update the other optimizers' variables too. "
+                "Compile LevenbergMarquardt(model) as the model's optimizer and freeze "
+                "the layers it should not train (layer.trainable = False), or call "
+                "optimizer.minimize(residual_fn, var_list) on a group in a custom loop.")
         return lambda data: self._fit_step(model, data)
 
     # ----------------------------------------------------------------- state
@@ -423,7 +434,19 @@ class LevenbergMarquardt:
             "solver": parts_lib.serialize_part(self.solver),
             "max_attempts": self.max_attempts,
             "chunk_size": self.chunk_size,
+            # Keras's loader binds it to the loaded model again (`attach`).
+            "bound_to_model": getattr(self, "_bound", False),
         }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        del custom_objects
+        config = dict(config)
+        bound = config.pop("bound_to_model", False)
+        optimizer = cls(**config)
+        optimizer._bound = bool(bound)  # until attached: saved the same again
+        _model_hooks.bind_after_load(optimizer, bound)
+        return optimizer
 
 
 def _count_nonzero_now(mask, size):

@@ -154,13 +154,26 @@ class Projected(Wrapper):
         # Masks of a pruning.MaskAware inside (or handed down from outside).
         self.masks = next((getattr(o, "masks", None) for o in optimizer_chain(optimizer)
                            if getattr(type(o), "provides_masks", False)), None)
+        self._model_paths = None
         if model is not None:
             self._check_model(model)
             # A pattern matching nothing is an error now, before any state.
-            self._resolve(model.trainable_variables)
+            self._model_paths = {k: self._path(v) for v in model.trainable_variables
+                                 for k in [self._var_key(v)]
+                                 if k in self._resolve(model.trainable_variables)}
 
     def _build_own(self, var_list):
-        self._resolve(var_list)
+        by_key = self._resolve(var_list)
+        # Given the model, a constrained variable this optimizer is not given
+        # (a MultiOptimizer hands it to another) would never be projected.
+        outside = sorted(path for k, path in (self._model_paths or {}).items()
+                         if k not in by_key)
+        if outside:
+            raise ValueError(
+                f"Projected: the constraints name {outside}, which this optimizer is "
+                "not given (a MultiOptimizer gives them to another optimizer), so they "
+                "would never be projected. Give this Projected every variable its "
+                "constraints name, or narrow the patterns to its own variables.")
 
     # ----------------------------------------------------------------- map
     def _resolve(self, variables):

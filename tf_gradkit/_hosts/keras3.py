@@ -46,8 +46,13 @@ class OptimizerHost(protocol.OptimizerHost):
     def _check_backend(self):
         check_backend(type(self).__name__)
 
+    # Keras 3 deserialises a loaded model's optimizer in the model's
+    # compile_from_config (.keras files).
+    _LOADERS = {"compile_from_config": ("self", None)}
+
     def _init_base(self, name, learning_rate=0.0, **kwargs):
         Optimizer.__init__(self, learning_rate=learning_rate, name=name, **kwargs)
+        self._note_loading()
 
     def _new_variable(self, shape, dtype, name, initial=0.0, sync="none",
                       reference=None):
@@ -108,6 +113,51 @@ class OptimizerHost(protocol.OptimizerHost):
             loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
+    @classmethod
+    def _loss_terms(cls, model, y, y_pred, sample_weight):
+        """Each loss ``compile`` gave ``model`` (its ``CompileLoss``), as a
+        `protocol.LossTerm` for this batch; one unknown term when the losses
+        cannot be matched to the outputs the way Keras matches them."""
+        from keras.src import tree  # noqa: PLC0415
+        from keras.src.backend import get_keras_mask  # noqa: PLC0415
+        from keras.src.losses import loss as loss_module  # noqa: PLC0415
+
+        flat = getattr(getattr(model, "_compile_loss", None), "_flat_losses", None)
+        if not flat:
+            return [protocol.LossTerm("loss", None, unknown="no loss was compiled")]
+        terms = []
+        for path, loss, _, name in flat:
+            try:
+                y_t, y_p = _resolve(path, y, y_pred)
+            except (KeyError, IndexError, TypeError, ValueError):
+                return [protocol.LossTerm(name, None, unknown=(
+                    "the targets could not be matched to the outputs"))]
+            sw = sample_weight
+            if sw is not None and tree.is_nested(sw):
+                sw = _at(path, sw)
+            mask = get_keras_mask(y_p) if tf.is_tensor(y_p) else None
+            reduction = {"sum_over_batch_size": "mean", "mean": "mean", "sum": "sum",
+                         "mean_with_sample_weight": "weighted_mean"}.get(loss.reduction)
+            weights = None
+            if reduction == "weighted_mean":  # what Keras divides by, merged as it does
+                dtype = loss.dtype
+                weights = loss_module.apply_mask(
+                    None if sw is None else tf.cast(sw, dtype),
+                    None if mask is None else tf.cast(mask, dtype), dtype=dtype,
+                    reduction=loss.reduction)
+            terms.append(cls._term(name, loss, y_t, y_p, reduction, mask, weights))
+        return terms
+
+    @staticmethod
+    def _extra_losses(model):
+        """``(all, data_dependent)``: how many losses the model adds to the
+        compiled ones (``model.losses``) and how many of them depend on the
+        batch (``add_loss``, activity regularizers) rather than on weights."""
+        total = len(model.losses)
+        weights = sum(1 for v in model.trainable_weights
+                      if getattr(v, "regularizer", None) is not None)
+        return total, total - weights
+
     @staticmethod
     def _ema_momentum(owner):
         # Keras 3 uses momentum 0 on its first step; `iterations` has been
@@ -126,6 +176,31 @@ class OptimizerHost(protocol.OptimizerHost):
         return tf.equal(tf.math.floormod(calls, steps), 0)
 
 
+def _at(path, structure):
+    for key in path:
+        structure = structure[key]
+    return structure
+
+
+def _resolve(path, y, y_pred):
+    """The target and prediction of the output at ``path``, matched as
+    Keras 3's ``CompileLoss`` matches them (the same structure, else the
+    targets flattened into the predictions' structure)."""
+    from keras.src import tree  # noqa: PLC0415
+
+    y_p = _at(path, y_pred)
+    if not tree.is_nested(y_pred):
+        return y, y_p
+    if not tree.is_nested(y):
+        y = [y]
+    try:
+        return _at(path, y), y_p
+    except (KeyError, IndexError, TypeError):
+        if not isinstance(y, (list, tuple)):
+            raise
+        return _at(path, tree.pack_sequence_as(y_pred, tree.flatten(y))), y_p
+
+
 class WrapperHost(protocol.WrapperHost, OptimizerHost):
     """Keras 3 glue of an optimizer that wraps ``inner_optimizer``."""
 
@@ -135,6 +210,8 @@ class WrapperHost(protocol.WrapperHost, OptimizerHost):
         var_list = list(var_list)
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
+        # A MultiOptimizer given a function knows its optimizers only now.
+        self.check_inner(self.inner_optimizer)
         self._build_own(var_list)
         Optimizer.build(self, var_list)
 
@@ -156,7 +233,9 @@ class WrapperHost(protocol.WrapperHost, OptimizerHost):
             trainable_variables = list(self._trainable_variables)
         trainable_variables = list(trainable_variables)
         if not self.built:
-            with keras.name_scope(self.name, caller=self):
+            # Eagerly, as tf_keras builds: state made while a step is traced
+            # stays uninitialised if that trace then fails (a refusal).
+            with tf.init_scope(), keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
         self._apply_grads(list(grads), trainable_variables, aggregated=False, **options)
 
@@ -175,7 +254,8 @@ class StateHost(OptimizerHost):
         if self.built:
             return
         var_list = list(var_list)
-        self._build_own(var_list)
+        with tf.init_scope():  # whoever builds it (a MultiOptimizer in a trace)
+            self._build_own(var_list)
         Optimizer.build(self, var_list)
 
 

@@ -14,6 +14,12 @@ module, has the same ``saving``, ``optimizers``, ``constraints`` and
   ``_is_model(m)``, ``_unpack(data)``, ``_report(model, x, y, y_pred, sw)``
   ``_serialize``, ``_deserialize_*``, ``_registered``, ``_is_loss_scale``
   ``_ema_average(owner, v)``, ``_ema_momentum(owner)``, ``_update_happened(opt)``
+  ``_loss_terms(model, y, y_pred, sw)``: each compiled loss as a `LossTerm`
+  (what it divides by), ``_extra_losses(model)``: the model's added losses
+  ``_note_loading()`` (in ``_init_base``): the model whose saved file the
+  flavour's Keras is loading, if it is loading one (`bind_after_load`), and
+  ``_restore_after_load()`` (end of a tf_keras build): the state a tf_keras
+  SavedModel holds but does not restore itself
 `WrapperHost`: ``iterations``, ``learning_rate``, ``build``, ``variables``, the
   ``apply``/``apply_gradients`` entry points (calling the algorithm's
   ``_apply_grads(grads, variables, aggregated, **options)``) and
@@ -22,6 +28,50 @@ module, has the same ``saving``, ``optimizers``, ``constraints`` and
 `SlotHost`: ``build``, ``update_step`` and slots for a per-variable optimizer
   (``_prepare``, ``_build_slots``, ``_update_one``).
 """
+
+import os
+import sys
+import weakref
+from typing import Any, NamedTuple, Optional
+
+
+class LossTerm(NamedTuple):
+    """One compiled loss of a model, as its flavour's Keras reduces it.
+
+    Attributes:
+      name: the output's name, for messages.
+      reduction: ``"mean"`` (divided by its elements, or by the unmasked
+        ones under a Keras mask), ``"weighted_mean"`` (divided by the sum of
+        its sample weights: Keras 3's ``"mean_with_sample_weight"``),
+        ``"sum"`` (divided by nothing), or None when it cannot be known.
+      mask: the Keras mask the loss applies (``"mean"``), or None.
+      weights: the sample weights it divides by (``"weighted_mean"``, mask
+        merged in as Keras merges it), or None.
+      unknown: why the denominator cannot be known (``reduction`` None).
+    """
+
+    name: str
+    reduction: Optional[str]
+    mask: Any = None
+    weights: Any = None
+    unknown: Optional[str] = None
+
+
+def values_rank(call, y_true, y_pred):
+    """The rank of ``call(y_true, y_pred)``'s result (a loss's per-element
+    values), traced once in a scratch graph (nothing runs); None when it
+    cannot be traced there."""
+    import tensorflow as tf  # noqa: PLC0415
+
+    if not (tf.is_tensor(y_true) and tf.is_tensor(y_pred)):
+        return None
+    try:
+        with tf.Graph().as_default():
+            y_t = tf.compat.v1.placeholder(y_true.dtype, y_true.shape)
+            y_p = tf.compat.v1.placeholder(y_pred.dtype, y_pred.shape)
+            return tf.convert_to_tensor(call(y_t, y_p)).shape.rank
+    except Exception:  # noqa: BLE001 - a loss that only runs eagerly, say
+        return None
 
 
 class OptimizerHost:
@@ -44,9 +94,74 @@ class OptimizerHost:
             cls._DEFAULT_MODEL = keras.Model
             cls._SGD = keras.optimizers.SGD
 
+    # The functions of the flavour's Keras that deserialise a model's
+    # optimizer while loading a saved model: name -> (the local holding the
+    # model, the local holding a SavedModel directory or None).
+    _LOADERS = {}
+
     @staticmethod
     def _describe(obj):
         return f"{type(obj).__module__}.{type(obj).__name__}"
+
+    # ------------------------------------------------------ after a load
+    @classmethod
+    def _loading(cls):
+        """``(model, saved_model_dir)`` while the flavour's Keras loads a
+        saved model and deserialises its optimizer (this constructor's
+        caller), else ``(None, None)``. Read from the loader's frame: Keras
+        tells an optimizer nothing of the model it is loaded for, and a
+        loaded optimizer belongs to exactly that model."""
+        root = os.path.dirname(cls.KERAS.__file__) + os.sep
+        frame = sys._getframe(1)  # pylint: disable=protected-access
+        while frame is not None:
+            code = frame.f_code
+            names = cls._LOADERS.get(code.co_name)
+            if names is not None and code.co_filename.startswith(root):
+                local = frame.f_locals
+                model = local.get(names[0])
+                if model is not None and cls._is_model(model):
+                    directory = local.get(names[1]) if names[1] else None
+                    return model, None if directory is None else os.fspath(directory)
+            frame = frame.f_back
+        return None, None
+
+    def _note_loading(self):
+        model, directory = self._loading()
+        self._loaded_for = None if model is None else weakref.ref(model)
+        self._saved_model_dir = directory
+
+    def _model_loaded_for(self):
+        """The model this optimizer was loaded with (None if it was made)."""
+        ref = getattr(self, "_loaded_for", None)
+        return None if ref is None else ref()
+
+    def _restore_after_load(self):
+        """Restores, once built, the state of the optimizers from this one
+        down that the SavedModel directory it was loaded from holds (tf_keras
+        reads a SavedModel's weights back but not its optimizer's). Left to
+        an optimizer above this one that was loaded too: it restores all."""
+        from tf_gradkit import _model_hooks  # noqa: PLC0415
+
+        model = self._model_loaded_for()
+        directory = getattr(self, "_saved_model_dir", None)
+        if model is None or directory is None:
+            return
+        path = _model_hooks.path_to(getattr(model, "optimizer", None), self)
+        if path is None or any(getattr(o, "_saved_model_dir", None) for o in path[:-1]):
+            return
+        import tensorflow as tf  # noqa: PLC0415
+
+        # The checkpoint's objects from the model down to this optimizer.
+        node = self
+        for parent, child in reversed(list(zip([model] + path[:-1], path))):
+            name = next(n for n, c in parent._trackable_children().items()  # noqa: SLF001
+                        if c is child)
+            node = tf.train.Checkpoint(**{name: node})
+        with tf.init_scope():
+            node.restore(os.path.join(directory, "variables", "variables")).expect_partial()
+        for optimizer in _model_hooks.optimizer_chain(self):
+            if getattr(optimizer, "_saved_model_dir", None):
+                optimizer._saved_model_dir = None  # pylint: disable=protected-access
 
     def _check_backend(self):
         """Raises unless Keras runs on TensorFlow (Keras 3 may not)."""
@@ -67,6 +182,32 @@ class OptimizerHost:
     def _path_below_model(cls, variable):
         return cls._path(variable)
 
+    # ------------------------------------------------------- a model's loss
+    @classmethod
+    def _overrides_compute_loss(cls, model):
+        """Whether ``model``'s class replaced the flavour's ``compute_loss``."""
+        return type(model).compute_loss is not cls._DEFAULT_MODEL.compute_loss
+
+    @classmethod
+    def _term(cls, name, loss, y_true, y_pred, reduction, mask, weights=None):
+        """A `LossTerm` for a Keras ``Loss`` object, or an unknown one when
+        it reduces its own way (its ``__call__`` overridden, a reduction
+        that keeps every value, or one value for the whole batch)."""
+        if type(loss).__call__ is not cls.KERAS.losses.Loss.__call__:
+            return LossTerm(name, None, unknown=(
+                f"the loss of output {name!r} ({type(loss).__name__}) overrides "
+                "`__call__`, so how it reduces is its own"))
+        if reduction is None:
+            return LossTerm(name, None, unknown=(
+                f"the loss of output {name!r} has reduction "
+                f"{getattr(loss, 'reduction', None)!r}"))
+        if values_rank(loss.call, y_true, y_pred) == 0:
+            return LossTerm(name, None, unknown=(
+                f"the loss of output {name!r} returns one value for the whole batch, "
+                "so what it averages over is its own"))
+        return LossTerm(name, reduction, mask=mask if reduction == "mean" else None,
+                        weights=weights)
+
     # -------------------------------------------------------- serialisation
     @classmethod
     def _serialize(cls, obj):
@@ -74,6 +215,12 @@ class OptimizerHost:
 
     @classmethod
     def _deserialize_optimizer(cls, config, custom_objects=None):
+        # Legacy deserialisation (tf_keras's HDF5 and SavedModel loaders)
+        # looks a nested optimizer up by its bare class name: give it ours.
+        registered = config.get("registered_name") if isinstance(config, dict) else None
+        found = cls._registered(registered) if registered else None
+        if found is not None:
+            custom_objects = {config["class_name"]: found, **(custom_objects or {})}
         return cls.KERAS.optimizers.deserialize(config, custom_objects=custom_objects)
 
     @classmethod

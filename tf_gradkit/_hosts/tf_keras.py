@@ -40,10 +40,16 @@ class OptimizerHost(protocol.OptimizerHost):
     # exact (and compile's own wrap around the wrapper does not unscale twice).
     WRAPS_LOSS_SCALE = True
 
+    # tf_keras deserialises a loaded model's optimizer in compile_from_config
+    # (.keras), in the SavedModel loader's `load` and in HDF5's loader.
+    _LOADERS = {"compile_from_config": ("self", None), "load": ("model", "path"),
+                "load_model_from_hdf5": ("model", None)}
+
     def _init_base(self, name, learning_rate=None, **kwargs):
         Optimizer.__init__(self, name=name, **kwargs)
         if learning_rate is not None:
             self._learning_rate = self._build_learning_rate(learning_rate)
+        self._note_loading()
 
     def _create_iteration_variable(self):
         # tf_keras's base makes an "iteration" variable: named after the
@@ -92,6 +98,41 @@ class OptimizerHost(protocol.OptimizerHost):
         model.compute_loss(x, y, y_pred, sample_weight)
         return model.compute_metrics(x, y, y_pred, sample_weight)
 
+    @classmethod
+    def _loss_terms(cls, model, y, y_pred, sample_weight):
+        """Each loss ``compile`` gave ``model`` (its ``LossesContainer``),
+        matched to the outputs by the container itself, as a
+        `protocol.LossTerm` for this batch."""
+        from tf_keras.src.engine import compile_utils  # noqa: PLC0415
+        from tf_keras.src.utils import losses_utils  # noqa: PLC0415
+
+        container = getattr(model, "compiled_loss", None)
+        if not isinstance(container, compile_utils.LossesContainer) or not container.built:
+            return [protocol.LossTerm("loss", None, unknown="no loss was compiled")]
+        y_true = tf.nest.flatten(container._conform_to_outputs(y_pred, y))
+        weights = tf.nest.flatten(container._conform_to_outputs(y_pred, sample_weight))
+        reductions = {losses_utils.ReductionV2.AUTO: "mean",
+                      losses_utils.ReductionV2.SUM_OVER_BATCH_SIZE: "mean",
+                      losses_utils.ReductionV2.SUM: "sum"}
+        terms = []
+        for y_t, y_p, sw, loss, name in zip(y_true, tf.nest.flatten(y_pred), weights,
+                                            container._losses, container._output_names):
+            if y_t is None or loss is None:  # an output without a loss
+                continue
+            y_t, y_p, _ = compile_utils.match_dtype_and_rank(y_t, y_p, sw)
+            terms.append(cls._term(name, loss, y_t, y_p, reductions.get(loss.reduction),
+                                   losses_utils.get_mask(y_p)))
+        return terms
+
+    @staticmethod
+    def _extra_losses(model):
+        """``(all, data_dependent)``: see the Keras 3 host. tf_keras keeps
+        weight regularizers as callables, the others as tensors."""
+        total = len(model.losses)
+        weights = sum(len(layer._callable_losses)  # pylint: disable=protected-access
+                      for layer in model._flatten_layers())  # pylint: disable=protected-access
+        return total, total - weights
+
     @staticmethod
     def _ema_momentum(owner):
         return float(owner.ema_momentum)  # tf_keras: the same every step
@@ -106,9 +147,11 @@ class WrapperHost(protocol.WrapperHost, OptimizerHost):
             return
         var_list = list(var_list)
         self.inner_optimizer.build(var_list)  # idempotent in tf_keras
+        self.check_inner(self.inner_optimizer)  # as the Keras 3 host does
         self._trainable_variables = var_list
         self._build_own(var_list)
         self._built = True
+        self._restore_after_load()
 
     @property
     def variables(self):
@@ -158,6 +201,7 @@ class StateHost(OptimizerHost):
             return
         self._build_own(list(var_list))
         self._built = True
+        self._restore_after_load()
 
     @property
     def built(self):
@@ -176,6 +220,7 @@ class SlotHost(OptimizerHost):
             return
         self._build_slots(var_list, own)
         self._built = True
+        self._restore_after_load()
 
     def _new_slot(self, reference, shape, initial, name):
         return self.add_variable_from_reference(reference, name, shape=shape,

@@ -130,9 +130,10 @@ def _kind(state, index, first="dense"):
     return state.kinds[index]
 
 
-def accumulate(state: AccumulationState, grads, weight, accept=True):
+def accumulate(state: AccumulationState, grads, weight, accept=True, count=None):
     """Adds one micro-batch: ``acc += weight * g`` (rows of older windows
-    count as zero), ``weight`` into the window's weight, one micro-step.
+    count as zero), ``count`` (default ``weight``) into the window's weight,
+    one micro-step.
 
     ``IndexedSlices`` touch only their rows (gather, then scatters), so an
     embedding gradient costs the rows it touches, not the table. ``None``
@@ -142,10 +143,14 @@ def accumulate(state: AccumulationState, grads, weight, accept=True):
     Args:
       state: the `AccumulationState`.
       grads: gradients aligned with ``state.acc_grads``.
-      weight: float32 scalar, how much this micro-batch counts.
+      weight: float32 scalar, how much this micro-batch's gradient counts.
       accept: bool scalar (tensor or Python): False adds nothing (a stale
         gradient); its values are never multiplied in, so a NaN in it does
         not reach the sums.
+      count: float32 scalar added to the window's weight, the divisor of
+        `window_gradients` (default ``weight``: the weighted mean). A loss
+        that is a sum adds its gradients with weight 1 and counts 1 for the
+        whole window (1 at its first micro-step, 0 after), so the window sums.
     """
     window = state.window.read_value()
     started = state.micro_step.read_value() > 0
@@ -153,6 +158,8 @@ def accumulate(state: AccumulationState, grads, weight, accept=True):
         lambda new, old: tf.where(accept, new, old))
     written = []  # per "rows" sum: are the values this micro-step wrote finite
     for index, (acc, rows, g) in enumerate(zip(state.acc_grads, state.row_windows, grads)):
+        if isinstance(g, tf.IndexedSlices) and not _scatters(acc):
+            g = tf.convert_to_tensor(g)  # per-replica sums take no scatters
         sparse_or_none = g is None or isinstance(g, tf.IndexedSlices)
         kind = _kind(state, index, "rows" if sparse_or_none else "dense")
         if g is None and kind == "rows":
@@ -182,12 +189,20 @@ def accumulate(state: AccumulationState, grads, weight, accept=True):
             acc.assign(gate(total, acc))
             rows.assign(gate(tf.fill(tf.shape(rows), window), rows))
             written.append(_finite_sum(total))
-    weight = tf.cast(weight, state.weight.dtype)
+    weight = tf.cast(weight if count is None else count, state.weight.dtype)
     if written:  # 0, or NaN when a value just written into a "rows" sum is not finite
         weight += tf.where(tf.reduce_all(tf.stack(written)), tf.zeros_like(weight),
                            tf.constant(float("nan"), weight.dtype))
     state.weight.assign_add(gate(weight, tf.zeros_like(weight)))
     state.micro_step.assign_add(tf.cast(accept, state.micro_step.dtype))
+
+
+def _scatters(variable):
+    """Whether ``variable`` takes scatter updates: per-replica sums under
+    ``tf.distribute`` (sync-on-read variables) do not, so ``IndexedSlices``
+    are added to them dense there."""
+    return not (isinstance(variable, tf.distribute.DistributedValues) and
+                variable.synchronization == tf.VariableSynchronization.ON_READ)
 
 
 def _finite_sum(values):

@@ -35,7 +35,7 @@ def _num_replicas():
 
 
 def micro_step(state, grads, *, weight, accept, steps, force=False,
-               apply_window, skip_window, count_dropped):
+               apply_window, skip_window, count_dropped, count=None):
     """Accumulates ``grads`` (if ``accept``) and applies the window when full.
 
     Must be called in replica context (or with no strategy).
@@ -45,6 +45,8 @@ def micro_step(state, grads, *, weight, accept, steps, force=False,
       grads: gradients for ``state.acc_grads`` (``None`` entries allowed).
       weight: float32 scalar weight of this micro-batch, or ``None`` when the
         call only closes the window (``flush``).
+      count: what it adds to the window's count (`accumulation.accumulate`;
+        default ``weight``).
       accept: boolean scalar tensor or Python bool: False drops the gradient
         (stale ``local_step``).
       steps: Python int, micro-batches per window.
@@ -56,7 +58,7 @@ def micro_step(state, grads, *, weight, accept, steps, force=False,
       count_dropped: ``count_dropped(n)`` adds ``n`` (int64) dropped gradients.
     """
     if weight is not None:
-        accumulation.accumulate(state, grads, weight, accept)
+        accumulation.accumulate(state, grads, weight, accept, count)
         if accept is not True:
             count_dropped(tf.cast(tf.logical_not(accept), tf.int64))
 

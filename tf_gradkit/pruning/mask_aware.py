@@ -10,7 +10,7 @@ import tensorflow as tf
 from tf_gradkit import _hosts
 from tf_gradkit._algorithms.wrapper import (Wrapper, no_gradients_error,
                                             unexpected_arguments)
-from tf_gradkit._model_hooks import optimizer_chain
+from tf_gradkit._model_hooks import bind_after_load, optimizer_chain
 from tf_gradkit.core.masks import Masks
 from tf_gradkit._hosts import tf_keras as _tf_keras_host
 from tf_gradkit.pruning import _masks
@@ -125,6 +125,7 @@ class MaskAware(Wrapper):
         explicit = [] if masks is None else _masks.check_masks(masks, _WHO)
         self._init_mask_aware(optimizer, name)
         self.masks.attach(wrappers, explicit)
+        self._from_model = bool(wrappers)
 
     def _init_mask_aware(self, optimizer, name):
         self._init_wrapper(optimizer, name or "mask_aware", {})
@@ -151,6 +152,7 @@ class MaskAware(Wrapper):
                              "already; make a new MaskAware for other masks.")
         explicit = [] if masks is None else _masks.check_masks(masks, _WHO)
         self.masks.attach(wrappers, explicit)
+        self._from_model = bool(wrappers)
         if getattr(self, "_built", False):  # loaded: state restored, no masks yet
             self._build_own(self._trainable_variables)
         return self
@@ -249,15 +251,21 @@ class MaskAware(Wrapper):
     def get_config(self):
         # Masks are data of the model, not configuration: `attach` them after
         # `from_config` (as GradientAccumulator's `model=` is not serialised).
+        # Masks read from a pruned model come back by themselves when Keras
+        # loads that model (`bind_after_load`).
         return {"name": self.name,
-                "optimizer": self._inner_config()}
+                "optimizer": self._inner_config(),
+                "bound_to_model": getattr(self, "_from_model", False)}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
+        bound = config.pop("bound_to_model", False)
         inner = cls._inner_from_config(config, custom_objects)
         optimizer = cls.__new__(cls)
         optimizer._init_mask_aware(inner, config.pop("name", None))
+        optimizer._from_model = bool(bound)  # until attached: saved the same again
+        bind_after_load(optimizer, bound)
         return optimizer
 
 
