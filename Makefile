@@ -33,6 +33,7 @@ test-tf-keras: $(STAMP)
 test: test-keras3 test-tf-keras
 	$(PY) examples/accumulate_fit.py
 	$(PY) examples/accumulate_custom_loop.py
+	$(PY) examples/accumulate_tokens.py
 	$(PY) examples/lm_curve_fit.py
 	$(PY) examples/lm_fit.py
 	$(PY) examples/conditional_accumulator.py

@@ -302,54 +302,41 @@ def test_loss_scale_outside_under_mirrored_strategy_equals_one_device(K, gk, mir
     assert max_abs_diff(weights_of(ref), weights_of(model)) < ROUNDOFF
 
 
-def test_a_bound_lm_inside_a_multioptimizer_is_refused(K, gk):
-    # LM's fit step solves for every variable: as one group's optimizer it
-    # would train the other groups too.
+# One group's optimizer that would be silently wrong there, and what its
+# refusal (at the first fit, before anything changes) says.
+GROUP_REFUSALS = {
+    # LM's fit step solves for every variable: it would train the others too.
+    "lm": (lambda K, gk, model: gk.LevenbergMarquardt(model),
+           r"LevenbergMarquardt cannot be one of MultiOptimizer's optimizers.*"
+           r"trainable = False"),
+    # "kernel" also names the second layer's kernel, which SGD updates.
+    "proj": (lambda K, gk, model: gk.Projected(K.optimizers.SGD(0.1),
+                                               {"kernel": C.NonNeg()}, model=model),
+             r"constraints name \[.*kernel.*which this optimizer is not given.*"
+             r"never be projected"),
+    # The constraint reads the second layer's kernel: its gradient share lost.
+    "lagr": (lambda K, gk, model: gk.AugmentedLagrangian(
+        K.optimizers.SGD(0.1), [gk.Inequality(
+            lambda: tf.reduce_sum(tf.square(model.trainable_variables[2])) - 1.0,
+            name="norm")]),
+             r"constraints \['norm'\] depend on .*not given"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GROUP_REFUSALS))
+def test_one_groups_optimizer_that_would_be_wrong_is_refused(K, gk, name):
     if not K3:
         pytest.skip("MultiOptimizer is Keras 3's")
+    make, match = GROUP_REFUSALS[name]
     x, y = regression_data(n=16)
     model = mlp(K)
-    lm, first = gk.LevenbergMarquardt(model), _first_layer(model)
-    sgd = K.optimizers.SGD(0.1)
-    model.compile(optimizer=K.optimizers.MultiOptimizer(lambda v: lm if first(v) else sgd),
+    ours, first, sgd = make(K, gk, model), _first_layer(model), K.optimizers.SGD(0.1)
+    model.compile(optimizer=K.optimizers.MultiOptimizer(lambda v: ours if first(v) else sgd),
                   loss="mse")
     before = weights_of(model)
-    with pytest.raises(ValueError, match=r"LevenbergMarquardt cannot be one of "
-                       r"MultiOptimizer's optimizers.*trainable = False"):
+    with pytest.raises(ValueError, match=match):
         model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert max_abs_diff(before, weights_of(model)) == 0
-
-
-def test_projected_in_a_multioptimizer_refuses_constraints_on_other_groups(K, gk):
-    if not K3:
-        pytest.skip("MultiOptimizer is Keras 3's")
-    x, y = regression_data(n=16)
-    model = mlp(K)
-    proj = gk.Projected(K.optimizers.SGD(0.1), {"kernel": C.NonNeg()}, model=model)
-    first, sgd = _first_layer(model), K.optimizers.SGD(0.1)
-    model.compile(optimizer=K.optimizers.MultiOptimizer(
-        lambda v: proj if first(v) else sgd), loss="mse")
-    before = weights_of(model)
-    with pytest.raises(ValueError, match=r"constraints name \[.*kernel.*which this "
-                       r"optimizer is not given.*never be projected"):
-        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
-    assert max_abs_diff(before, weights_of(model)) == 0
-
-
-def test_lagrangian_in_a_multioptimizer_refuses_constraints_on_other_groups(K, gk):
-    if not K3:
-        pytest.skip("MultiOptimizer is Keras 3's")
-    x, y = regression_data(n=16)
-    model = mlp(K)
-    last_kernel = model.trainable_variables[2]
-    lagr = gk.AugmentedLagrangian(
-        K.optimizers.SGD(0.1),
-        [gk.Inequality(lambda: tf.reduce_sum(tf.square(last_kernel)) - 1.0, name="norm")])
-    first, sgd = _first_layer(model), K.optimizers.SGD(0.1)
-    model.compile(optimizer=K.optimizers.MultiOptimizer(
-        lambda v: lagr if first(v) else sgd), loss="mse")
-    with pytest.raises(ValueError, match=r"constraints \['norm'\] depend on .*not given"):
-        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
 
 
 def test_an_accumulator_in_a_multioptimizer_counts_and_flushes_its_windows(K, gk):

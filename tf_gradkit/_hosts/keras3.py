@@ -120,7 +120,6 @@ class OptimizerHost(protocol.OptimizerHost):
         cannot be matched to the outputs the way Keras matches them."""
         from keras.src import tree  # noqa: PLC0415
         from keras.src.backend import get_keras_mask  # noqa: PLC0415
-        from keras.src.losses import loss as loss_module  # noqa: PLC0415
 
         flat = getattr(getattr(model, "_compile_loss", None), "_flat_losses", None)
         if not flat:
@@ -138,15 +137,28 @@ class OptimizerHost(protocol.OptimizerHost):
             mask = get_keras_mask(y_p) if tf.is_tensor(y_p) else None
             reduction = {"sum_over_batch_size": "mean", "mean": "mean", "sum": "sum",
                          "mean_with_sample_weight": "weighted_mean"}.get(loss.reduction)
-            weights = None
-            if reduction == "weighted_mean":  # what Keras divides by, merged as it does
-                dtype = loss.dtype
-                weights = loss_module.apply_mask(
-                    None if sw is None else tf.cast(sw, dtype),
-                    None if mask is None else tf.cast(mask, dtype), dtype=dtype,
-                    reduction=loss.reduction)
-            terms.append(cls._term(name, loss, y_t, y_p, reduction, mask, weights))
+            terms.append(cls._term(name, loss, y_t, y_p, reduction, mask, sw))
         return terms
+
+    @staticmethod
+    def _loss_inputs(loss, y_true, y_pred):
+        # Keras 3's Loss.__call__ converts both to the loss's dtype first.
+        convert = lambda x: keras.ops.convert_to_tensor(x, dtype=loss.dtype)  # noqa: E731
+        if not (tf.is_tensor(y_true) and tf.is_tensor(y_pred)):
+            return y_true, y_pred
+        return convert(y_true), convert(y_pred)
+
+    @staticmethod
+    def _divisor_weights(loss, sample_weight, mask):
+        """The weights "mean_with_sample_weight" divides by, merged with the
+        mask by Keras's own ``apply_mask``."""
+        from keras.src.losses import loss as loss_module  # noqa: PLC0415
+
+        dtype = loss.dtype
+        return loss_module.apply_mask(
+            None if sample_weight is None else tf.cast(sample_weight, dtype),
+            None if mask is None else tf.cast(mask, dtype), dtype=dtype,
+            reduction=loss.reduction)
 
     @staticmethod
     def _extra_losses(model):

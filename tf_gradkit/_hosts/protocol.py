@@ -57,10 +57,11 @@ class LossTerm(NamedTuple):
     unknown: Optional[str] = None
 
 
-def values_rank(call, y_true, y_pred):
-    """The rank of ``call(y_true, y_pred)``'s result (a loss's per-element
-    values), traced once in a scratch graph (nothing runs); None when it
-    cannot be traced there."""
+def traced_values(call, y_true, y_pred):
+    """``(rank, masked)`` of ``call(y_true, y_pred)``'s result (a loss's
+    per-element values): its rank, and whether it carries a Keras mask of
+    its own (``ignore_class``), traced in a scratch graph where nothing runs;
+    None when it cannot be traced there."""
     import tensorflow as tf  # noqa: PLC0415
 
     if not (tf.is_tensor(y_true) and tf.is_tensor(y_pred)):
@@ -69,7 +70,9 @@ def values_rank(call, y_true, y_pred):
         with tf.Graph().as_default():
             y_t = tf.compat.v1.placeholder(y_true.dtype, y_true.shape)
             y_p = tf.compat.v1.placeholder(y_pred.dtype, y_pred.shape)
-            return tf.convert_to_tensor(call(y_t, y_p)).shape.rank
+            values = call(y_t, y_p)
+            return (tf.convert_to_tensor(values).shape.rank,
+                    getattr(values, "_keras_mask", None) is not None)
     except Exception:  # noqa: BLE001 - a loss that only runs eagerly, say
         return None
 
@@ -189,10 +192,15 @@ class OptimizerHost:
         return type(model).compute_loss is not cls._DEFAULT_MODEL.compute_loss
 
     @classmethod
-    def _term(cls, name, loss, y_true, y_pred, reduction, mask, weights=None):
-        """A `LossTerm` for a Keras ``Loss`` object, or an unknown one when
-        it reduces its own way (its ``__call__`` overridden, a reduction
-        that keeps every value, or one value for the whole batch)."""
+    def _term(cls, name, loss, y_true, y_pred, reduction, mask, sample_weight=None):
+        """A `LossTerm` for a Keras ``Loss`` object called as the flavour's
+        ``Loss.__call__`` calls it, or an unknown one when it reduces its own
+        way (its ``__call__`` overridden, a reduction that keeps every value,
+        or one value for the whole batch). ``mask``: the prediction's Keras
+        mask; a mask the loss's values carry (``ignore_class``) is merged in
+        as Keras merges it."""
+        import tensorflow as tf  # noqa: PLC0415
+
         if type(loss).__call__ is not cls.KERAS.losses.Loss.__call__:
             return LossTerm(name, None, unknown=(
                 f"the loss of output {name!r} ({type(loss).__name__}) overrides "
@@ -201,12 +209,31 @@ class OptimizerHost:
             return LossTerm(name, None, unknown=(
                 f"the loss of output {name!r} has reduction "
                 f"{getattr(loss, 'reduction', None)!r}"))
-        if values_rank(loss.call, y_true, y_pred) == 0:
+        y_true, y_pred = cls._loss_inputs(loss, y_true, y_pred)
+        rank, masked = traced_values(loss.call, y_true, y_pred) or (None, False)
+        if rank == 0:
             return LossTerm(name, None, unknown=(
                 f"the loss of output {name!r} returns one value for the whole batch, "
                 "so what it averages over is its own"))
-        return LossTerm(name, reduction, mask=mask if reduction == "mean" else None,
-                        weights=weights)
+        if masked:  # only its mask is used: the values' ops are pruned in a graph
+            own = loss.call(y_true, y_pred)._keras_mask  # pylint: disable=protected-access
+            mask = own if mask is None else tf.logical_and(tf.cast(mask, tf.bool),
+                                                           tf.cast(own, tf.bool))
+        if reduction == "weighted_mean":
+            return LossTerm(name, reduction,
+                            weights=cls._divisor_weights(loss, sample_weight, mask))
+        return LossTerm(name, reduction, mask=mask if reduction == "mean" else None)
+
+    @staticmethod
+    def _loss_inputs(loss, y_true, y_pred):
+        """What the flavour's ``Loss.__call__`` hands ``loss.call``."""
+        del loss
+        return y_true, y_pred
+
+    @staticmethod
+    def _divisor_weights(loss, sample_weight, mask):
+        """The sample weights a ``"weighted_mean"`` loss divides by."""
+        raise NotImplementedError
 
     # -------------------------------------------------------- serialisation
     @classmethod
