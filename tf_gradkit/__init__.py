@@ -28,6 +28,7 @@ __all__ = [
     "least_squares",
     "constraints",
     "core",
+    "distribute",
     "keras3",
     "layers",
     "optimizers",
@@ -97,7 +98,7 @@ def load_optimizer_state(model, saved_model_dir):
     return model
 
 
-_LAZY_SUBMODULES = ("constraints", "core", "keras3", "layers", "optimizers",
+_LAZY_SUBMODULES = ("constraints", "core", "distribute", "keras3", "layers", "optimizers",
                     "pruning", "tf_keras")
 
 

@@ -240,8 +240,13 @@ class LevenbergMarquardt:
         object.__setattr__(self, "_step_support", self._support(var_list, tf_vars))
         lin = linearize_for(self.solver, residual_fn, tf_vars, dtype,
                             self._step_support)
-        return self._iterate(lin, lambda: lm_losses.half_sum_sq(residual_fn(), dtype),
-                             tf_vars)[1].new_cost
+        local_cost = lambda: lm_losses.half_sum_sq(residual_fn(), dtype)  # noqa: E731
+        ctx = tf.distribute.get_replica_context()
+        if ctx is not None and tf.distribute.get_strategy().num_replicas_in_sync > 1:
+            # Each replica's residuals are its share of the problem: J^T J
+            # and J^T r are summed over replicas and all take one step.
+            return self._distributed_iterate(ctx, lin, local_cost, (), tf_vars)[1]
+        return self._iterate(lin, local_cost, tf_vars)[1].new_cost
 
     def _iterate(self, lin, cost_fn, tf_vars):
         state, info = step_lib.levenberg_marquardt_step(
@@ -360,8 +365,8 @@ class LevenbergMarquardt:
         """
         ctx = tf.distribute.get_replica_context()
         if ctx is not None and tf.distribute.get_strategy().num_replicas_in_sync > 1:
-            attempts = self._distributed_iterate(ctx, lin, local_cost, x, y,
-                                                 sample_weight, tf_vars)
+            attempts = self._distributed_iterate(ctx, lin, local_cost,
+                                                 (x, y, sample_weight), tf_vars)[0]
         else:
             _, info = self._iterate(lin, lambda: local_cost(x, y, sample_weight),
                                     tf_vars)
@@ -371,14 +376,16 @@ class LevenbergMarquardt:
         logs["attempts"] = attempts
         return logs
 
-    def _distributed_iterate(self, ctx, lin, local_cost, x, y, sample_weight,
-                             tf_vars):
+    def _distributed_iterate(self, ctx, lin, local_cost, args, tf_vars):
+        """The iteration of the whole problem from each replica's share:
+        ``local_cost(*args)`` is this replica's cost at the current weights.
+        Returns ``(attempts, cost after the step)``, the same on every replica."""
         require_normal_equations(
             self.solver, "under tf.distribute it sums J^T J across replicas")
         jtj, jtr, cost = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
                                         [lin.jtj, lin.jtr, lin.cost])
 
-        def cross_replica(distribution, jtj, jtr, cost, x, y, sample_weight):
+        def cross_replica(distribution, jtj, jtr, cost, *args):
             def first(value):
                 return distribution.experimental_local_results(value)[0]
 
@@ -387,15 +394,14 @@ class LevenbergMarquardt:
 
             def cost_fn():
                 per_replica = distribution.extended.call_for_each_replica(
-                    local_cost, args=(x, y, sample_weight))
+                    local_cost, args=args)
                 return distribution.reduce(tf.distribute.ReduceOp.SUM,
                                            per_replica, axis=None)
 
             _, info = self._iterate(total, cost_fn, tf_vars)
-            return info.attempts
+            return info.attempts, info.new_cost
 
-        return ctx.merge_call(cross_replica,
-                              args=(jtj, jtr, cost, x, y, sample_weight))
+        return ctx.merge_call(cross_replica, args=(jtj, jtr, cost) + tuple(args))
 
     def _chunked(self, residuals, x, y, sample_weight, batch, tf_vars, dtype):
         require_normal_equations(
