@@ -12,6 +12,7 @@ from tf_gradkit._algorithms import loss_denominator
 from tf_gradkit._algorithms.wrapper import Wrapper, no_gradients_error
 from tf_gradkit.core import accumulation
 from tf_gradkit.core import distributed_window
+from tf_gradkit.core import exclusive
 from tf_gradkit.core.accumulation import REDUCTIONS
 
 EPOCH_END_POLICIES = ("apply", "carry", "drop")
@@ -117,11 +118,17 @@ class GradientAccumulator(Wrapper):
     ``apply_gradients(grads_and_vars, sample_count=None, local_step=None)``:
     ``local_step`` gives ConditionalAccumulator semantics for asynchronous or
     pipelined producers: a gradient computed at ``local_step`` older than
-    ``iterations`` (the number of real updates) is stale and dropped
-    (``dropped_gradients`` counts them); it does not count toward the window.
+    ``version`` (the number of real updates, read before the weights) is
+    stale and dropped (``dropped_gradients`` counts them); it does not count
+    toward the window.
 
-    Under ``tf.distribute.MirroredStrategy`` each replica accumulates locally;
-    the one cross-replica gradient reduction happens when the window closes.
+    Under ``tf.distribute.MirroredStrategy`` and ``MultiWorkerMirroredStrategy``
+    each replica accumulates locally; the one cross-replica gradient
+    reduction happens when the window closes. Under ``ParameterServerStrategy``
+    (tf_keras) the window lives on the parameter servers, each micro-step
+    holds a mutex there (every window takes exactly ``steps`` accepted
+    micro-steps) and, under ``fit``, a gradient computed against weights that
+    another worker's window has since updated is dropped as stale.
 
     Example:
 
@@ -202,6 +209,35 @@ class GradientAccumulator(Wrapper):
         self._micro_steps = make_scalar(tf.int64, "micro_steps", False)
         self._dropped = make_scalar(tf.int64, "dropped_gradients", False)
         self._skipped = make_scalar(tf.int64, "skipped_windows", False)
+        if distributed_window.concurrent_workers(self._distribution_strategy):
+            # Workers update the window at once (parameter servers): each
+            # micro-step holds a mutex on the servers, and `version` counts
+            # the updates whose writes are done (`core.exclusive`).
+            self._version = make_scalar(tf.int64, "version", False)
+            self._mutex = exclusive.new_mutex(self._state.micro_step.device)
+
+    _version = None
+    _mutex = None
+
+    def _wrap_train_step(self, step, model):
+        """Under a parameter-server strategy, reads `version` before the
+        step reads the weights, as the ``local_step`` of its gradient."""
+        if not distributed_window.concurrent_workers(self._distribution_strategy):
+            return step
+        if self._state is None:
+            with tf.init_scope():
+                self.build(model.trainable_variables)
+        binding = self._binding
+
+        def versioned_step(data):
+            version = self._version.read_value()
+            binding.record(self._VERSION_KEY, version)
+            with tf.control_dependencies([version]):
+                return step(data)
+
+        return versioned_step
+
+    _VERSION_KEY = "gradient_accumulator.version"
 
     # ------------------------------------------------------------------- step
     def _apply_grads(self, grads, variables, aggregated=False, sample_count=None,
@@ -229,18 +265,26 @@ class GradientAccumulator(Wrapper):
         self._check_same_variables(grads)
         if self.nonfinite == "raise":
             grads = _check_numerics(grads)
-        weight, count = self._micro_batch_weight(sample_count)
-        accept = True
-        if local_step is not None:
-            accept = tf.cast(local_step, tf.int64) >= tf.cast(self.iterations, tf.int64)
+        if local_step is None and self._mutex is not None and self._binding is not None:
+            local_step = self._binding.step_value(self._VERSION_KEY)
         has_grad = [g is not None for g in grads]
-        distributed_window.micro_step(
-            self._state, grads, weight=weight, count=count, accept=accept,
-            steps=self.steps,
-            apply_window=lambda total: self._apply_window(total, has_grad),
-            skip_window=lambda total: self._skip_window(total, has_grad),
-            count_dropped=self._dropped.assign_add)
-        self._micro_steps.assign_add(tf.cast(accept, tf.int64))
+
+        def micro():
+            weight, count = self._micro_batch_weight(sample_count)
+            accept = True
+            if local_step is not None:
+                accept = tf.cast(local_step, tf.int64) >= tf.cast(self.version, tf.int64)
+            distributed_window.micro_step(
+                self._state, grads, weight=weight, count=count, accept=accept,
+                steps=self.steps,
+                apply_window=lambda total: self._apply_window(total, has_grad),
+                skip_window=lambda total: self._skip_window(total, has_grad),
+                count_dropped=self._dropped.assign_add)
+            self._micro_steps.assign_add(tf.cast(accept, tf.int64))
+
+        # Under a parameter-server strategy the whole micro-step holds the
+        # window's mutex; elsewhere it runs as is.
+        exclusive.run_exclusive(self._mutex, micro, after=grads)
 
     def _micro_batch_weight(self, sample_count):
         """``(weight, count)``: what this micro-batch's gradient is multiplied
@@ -352,7 +396,11 @@ class GradientAccumulator(Wrapper):
         # Each replica hands on its share: the inner optimizer's one sum over
         # replicas (always, even when the micro-steps' input was summed) is
         # the window's only gradient reduction.
-        self._inner_apply([g for g, _ in pairs], [v for _, v in pairs])
+        apply = lambda: self._inner_apply([g for g, _ in pairs], [v for _, v in pairs])  # noqa: E731
+        if self._version is None:
+            apply()
+        else:  # published once the update's writes are done
+            exclusive.after_writes(apply, lambda: self._version.assign_add(1))
 
     def _skip_window(self, total_weight, has_grad):
         if self._is_loss_scale(self.inner_optimizer):
@@ -383,16 +431,17 @@ class GradientAccumulator(Wrapper):
             self.discard()
 
     def _discard_in_replica(self):
-        accumulation.start_next_window(self._state, tf.constant(True))
+        exclusive.run_exclusive(self._mutex, lambda: accumulation.start_next_window(
+            self._state, tf.constant(True)))
 
     def _flush_in_replica(self):
         has_grad = list(self._with_gradient or [True] * len(self._trainable_variables))
-        distributed_window.micro_step(
+        exclusive.run_exclusive(self._mutex, lambda: distributed_window.micro_step(
             self._state, [None] * len(has_grad), weight=None, count=None, accept=True,
             steps=self.steps, force=True,
             apply_window=lambda total: self._apply_window(total, has_grad),
             skip_window=lambda total: self._skip_window(total, has_grad),
-            count_dropped=None)
+            count_dropped=None))
 
     def _run_in_replicas(self, fn):
         """Runs ``fn`` once per replica, from wherever the caller stands.
@@ -431,7 +480,15 @@ class GradientAccumulator(Wrapper):
     window_micro_step = property(lambda self: self._counter("_window_micro_step"), doc=(
         "Micro-batches in the open window (0 before the first)."))
     dropped_gradients = property(lambda self: self._counter("_dropped"), doc=(
-        "Gradients dropped as stale (``local_step`` < ``iterations``)."))
+        "Gradients dropped as stale (``local_step`` < ``version``)."))
+
+    @property
+    def version(self):
+        """Real updates whose writes are all done: what a worker passes as
+        ``local_step`` (read before it reads the weights). ``iterations``
+        except under ParameterServerStrategy, where another worker's update
+        may have counted ``iterations`` before its weights are written."""
+        return self.iterations if self._version is None else self._version
     skipped_windows = property(lambda self: self._counter("_skipped"), doc=(
         "Windows discarded because a micro-batch had a NaN or Inf."))
 

@@ -23,6 +23,9 @@ References: TF1 ``ConditionalAccumulator`` / ``AccumulatorApplyGradient`` /
 
 import tensorflow as tf
 
+from tf_gradkit.core import distributed_window
+from tf_gradkit.core import exclusive
+
 __all__ = ["ConditionalAccumulator", "REDUCTIONS"]
 
 REDUCTIONS = ("MEAN", "SUM")
@@ -103,6 +106,12 @@ class ConditionalAccumulator(tf.Module):
             self._count = _counter("num_accumulated")
             self._dropped = _counter("num_dropped")
             self._global_step = _counter("global_step")
+        # Made under a ParameterServerStrategy, its state lives on a parameter
+        # server and workers apply at once: apply_grad and take_grad then hold
+        # a mutex there (`core.exclusive`), as TF1's C++ accumulator did.
+        self._mutex = (exclusive.new_mutex(self._sum.device)
+                       if distributed_window.concurrent_workers(tf.distribute.get_strategy())
+                       else None)
 
     @property
     def dtype(self):
@@ -188,7 +197,9 @@ class ConditionalAccumulator(tf.Module):
             self._dropped.assign_add(tf.constant(1, tf.int64))
             return tf.constant(False)
 
-        return tf.cond(local_step >= self._global_step, add, drop)
+        return exclusive.run_exclusive(
+            self._mutex, lambda: tf.cond(local_step >= self._global_step, add, drop),
+            after=[grad, local_step])
 
     def take_grad(self, num_required):
         """Returns the reduced gradient if at least ``num_required`` are in.
@@ -212,6 +223,9 @@ class ConditionalAccumulator(tf.Module):
           TypeError: ``num_required`` is not an integer.
         """
         num_required = _check_num_required(num_required)
+        return exclusive.run_exclusive(self._mutex, lambda: self._take(num_required))
+
+    def _take(self, num_required):
         ready = self._count >= num_required
 
         def take():

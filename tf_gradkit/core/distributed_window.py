@@ -30,6 +30,12 @@ import tensorflow as tf
 from tf_gradkit.core import accumulation
 
 
+def concurrent_workers(strategy):
+    """Whether workers run steps against shared state at the same time, not
+    in lock-step: ``ParameterServerStrategy`` (`core.exclusive`)."""
+    return isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
+
+
 def _num_replicas():
     return tf.distribute.get_strategy().num_replicas_in_sync
 
