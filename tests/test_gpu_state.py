@@ -29,7 +29,12 @@ from test_battery import OPTIMIZERS
 DEVICE_DTYPES = {tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int64,
                  tf.complex64, tf.complex128}
 HOST_OPS = {"PyFunc", "PyFuncStateless", "EagerPyFunc", "PrintV2", "Print",
-            "StringFormat", "Assert"}
+            "StringFormat", "Assert", "AsString", "ReduceJoin"}
+
+
+def _host_only(ops):
+    """Ops that run on the host only: callbacks, printing, strings."""
+    return sorted((ops & HOST_OPS) | {op for op in ops if "String" in op})
 
 
 def _as_tf_variable(obj):
@@ -193,6 +198,43 @@ def test_compiled_steps_use_no_host_only_ops(K, gk, name):
 
     ops = _graph_ops(step.get_concrete_function(tf.constant(x), tf.constant(y)))
     assert "ReadVariableOp" in ops or "AssignVariableOp" in ops  # the scan sees the step
-    assert sorted(ops & HOST_OPS) == []
+    assert _host_only(ops) == []
     step(tf.constant(x), tf.constant(y))
     assert np.isfinite(model(x).numpy()).all()
+
+
+# Every composition the matrix allows (test_composition.py), as fit runs it:
+# the model's train_step (with tf_gradkit's hooks) in one function.
+def _allowed_compositions():
+    from test_composition import (ELSEWHERE, REFUSED, REFUSED_AT_FIT,  # noqa: PLC0415
+                                  _cells, _parse)
+    return [c for c in _cells() if _parse(c) not in {**REFUSED, **REFUSED_AT_FIT,
+                                                     **ELSEWHERE}]
+
+
+def _composition_step(K, gk, cell, jit):
+    from test_composition import build  # noqa: PLC0415
+    x, y = regression_data(n=8)
+    model = mlp(K)
+    model.compile(optimizer=build(K, gk, cell, model), loss="mse")
+    step = tf.function(lambda xb, yb: model.train_step((xb, yb)), jit_compile=jit)
+    return model, step, (tf.constant(x), tf.constant(y))
+
+
+@pytest.mark.parametrize("cell", _allowed_compositions())
+def test_every_allowed_composition_traces_with_no_host_only_ops(K, gk, cell):
+    # TPU-safe by construction: no host callbacks, printing or strings in
+    # the step of any composition a user can build (traced, not run).
+    _, step, args = _composition_step(K, gk, cell, jit=True)
+    ops = _graph_ops(step.get_concrete_function(*args))
+    assert "ReadVariableOp" in ops or "AssignVariableOp" in ops
+    assert _host_only(ops) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", _allowed_compositions())
+def test_every_allowed_composition_compiles_under_xla(K, gk, cell):
+    model, step, args = _composition_step(K, gk, cell, jit=True)
+    for _ in range(3):  # an accumulation window of 2 closes
+        step(*args)
+    assert all(np.isfinite(w).all() for w in model.get_weights())
