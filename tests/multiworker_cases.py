@@ -102,3 +102,29 @@ CASES["tokens-fit"] = {
     "optimizer": lambda K, gk, m: gk.GradientAccumulator(K.optimizers.SGD(0.5), 4, model=m),
     "loss": lambda K: K.losses.SparseCategoricalCrossentropy(from_logits=True),
 }
+
+
+def _bench_model(K):
+    """benchmarks/distributed.py: 8-256-256-1 (68k parameters)."""
+    model = K.Sequential([K.Input((8,)), K.layers.Dense(256, activation="tanh"),
+                          K.layers.Dense(256, activation="tanh"), K.layers.Dense(1)])
+    rng = np.random.RandomState(1)
+    model.set_weights([rng.randn(*w.shape).astype("float32") * 0.1
+                       for w in model.get_weights()])
+    return model
+
+
+def _bench_data():
+    rng = np.random.RandomState(0)
+    x = rng.randn(2048, 8).astype("float32")
+    return x, np.sin(x @ rng.randn(8, 1)).astype("float32")
+
+
+DATA["bench"] = _bench_data
+for _name, _factory in (
+        ("plain", lambda K, gk, m: K.optimizers.Adam(1e-3)),
+        ("acc", lambda K, gk, m: gk.GradientAccumulator(K.optimizers.Adam(1e-3), 4,
+                                                        model=m))):
+    CASES[f"bench_{_name}-fit"] = {"model": _bench_model, "optimizer": _factory,
+                                   "loss": "mse", "epochs": 2, "data": "bench",
+                                   "batch": 64, "timed": True, "reference": None}

@@ -17,6 +17,7 @@ import importlib
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -96,12 +97,17 @@ def main(out, names):
             model = case["model"](K)
             opt = case["optimizer"](K, gk, model)
             model.compile(optimizer=opt, loss=compiled_loss(K, case))
-        before = COUNTER.numpy().copy()
+        dataset = _dataset(*data, case.get("batch", GLOBAL_BATCH))
+        if case.get("timed"):  # benchmarks/distributed.py: trace first, then time
+            model.fit(dataset, epochs=1, shuffle=False, verbose=0)
+        before, updates = COUNTER.numpy().copy(), int(opt.iterations.numpy())
+        start = time.perf_counter()
         if mode == "fit":
-            model.fit(_dataset(*data, case.get("batch", GLOBAL_BATCH)),
-                      epochs=case["epochs"], shuffle=False, verbose=0)
+            model.fit(dataset, epochs=case["epochs"], shuffle=False, verbose=0)
         else:
             _custom_loop(strategy, model, opt, case, data)
+        results[f"{name}/seconds"] = np.array(time.perf_counter() - start)
+        results[f"{name}/updates"] = np.array(int(opt.iterations.numpy()) - updates)
         results[f"{name}/reduce"] = COUNTER.numpy() - before
         for i, w in enumerate(model.get_weights()):
             results[f"{name}/w{i}"] = w
