@@ -40,6 +40,8 @@ test: test-keras3 test-tf-keras
 	$(PY) examples/nmf.py
 	$(PY) examples/constrained_classifier.py
 	$(PY) examples/pruning_workflow.py
+	$(PY) examples/multiworker_fit.py
+	$(PY) examples/parameter_server.py
 
 # On a GPU machine: the battery, the equivalence, precision and GPU tests and
 # every MirroredStrategy test (over two logical GPUs, NCCL all-reduce), per
@@ -78,6 +80,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/constraints.py
 	$(PY) benchmarks/frank_wolfe.py
 	$(PY) benchmarks/pruning.py
+	$(PY) benchmarks/distributed.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
