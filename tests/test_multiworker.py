@@ -68,7 +68,8 @@ def test_both_workers_hold_the_same_weights_and_counters(runs):
     first, second = runs
     assert sorted(first) == sorted(second)
     for key in first:
-        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+        if not key.endswith("/seconds"):  # wall time: each worker's own
+            np.testing.assert_array_equal(first[key], second[key], err_msg=key)
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if not n.startswith("lm")])
