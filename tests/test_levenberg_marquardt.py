@@ -523,11 +523,15 @@ def test_least_squares_with_geodesic_acceleration_converges():
 
 
 def test_subclassed_unbuilt_model_with_steps_per_execution(K, gk):
+    # Seeded initializers: the global Keras RNG's state depends on the tests
+    # that ran before (one start in eight halves the loss only by 0.51x).
     class TwoLayer(K.Model):
         def __init__(self):
             super().__init__()
-            self.hidden = K.layers.Dense(8, activation="tanh")
-            self.out = K.layers.Dense(1)
+            self.hidden = K.layers.Dense(
+                8, activation="tanh", kernel_initializer=K.initializers.GlorotUniform(seed=0))
+            self.out = K.layers.Dense(
+                1, kernel_initializer=K.initializers.GlorotUniform(seed=100))
 
         def call(self, inputs):
             return self.out(self.hidden(inputs))
