@@ -27,7 +27,8 @@ instance (never its class), which keeps these promises:
 Each bound optimizer provides what it needs, all optional:
 ``_wrap_train_step(step, model) -> step`` (``step(data) -> logs``),
 ``_wrap_loss(loss, arguments) -> loss`` (the bound arguments of
-``compute_loss``, called while its train step runs) and ``_on_epoch_end()``.
+``compute_loss``, called while its train step runs), ``_on_fit_start(model)``
+(eagerly, before ``fit`` starts) and ``_on_epoch_end()``.
 """
 
 import functools
@@ -239,6 +240,11 @@ class ModelBinding:
 
         @functools.wraps(fit)
         def hooked_fit(*args, **kwargs):
+            _build_dispatchers(model)
+            for optimizer in binding.active():
+                start = getattr(optimizer, "_on_fit_start", None)
+                if start is not None:
+                    start(model)
             args = list(args)
             if len(args) > 5:  # fit(x, y, batch_size, epochs, verbose, callbacks)
                 args[5] = list(args[5] or []) + [_EpochEnd()]

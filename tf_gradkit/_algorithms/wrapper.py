@@ -90,6 +90,11 @@ class Wrapper:
                 reason = "keras_accumulation"
                 why = (f"{them}(gradient_accumulation_steps={steps}) updates only every "
                        f"{steps} calls, but {me} would act on every call")
+            elif getattr(type(inner), "provides_masks", False) and \
+                    getattr(type(self), "provides_masks", False):
+                reason = "masks"
+                why = (f"both keep pruning masks, and {me} would mask with its own "
+                       f"while {them} masks with others")
             elif self._is_loss_scale(inner) and not self._wraps_loss_scale():
                 reason = "loss_scale"
                 why = self._loss_scale_reason(them)

@@ -23,6 +23,7 @@ OPTIMIZERS = {
     "ConditionalGradient": ("tf_gradkit._algorithms.conditional_gradient", "SlotHost"),
     "GradientAccumulator": ("tf_gradkit._algorithms.gradient_accumulator", "WrapperHost"),
     "LevenbergMarquardt": ("tf_gradkit._algorithms.levenberg_marquardt", "StateHost"),
+    "MagnitudePruning": ("tf_gradkit._algorithms.magnitude_pruning", "WrapperHost"),
     "Projected": ("tf_gradkit._algorithms.projected", "WrapperHost"),
 }
 

@@ -170,6 +170,35 @@ class OptimizerHost(protocol.OptimizerHost):
                       if getattr(v, "regularizer", None) is not None)
         return total, total - weights
 
+    @classmethod
+    def _slots_of(cls, optimizer, var_list):
+        """Maps each weight's key to its per-entry slots in ``optimizer``'s
+        chain (as ``tf.Variable``s).
+
+        Keras 3 names a variable made by ``add_variable_from_reference(v,
+        name)`` ``<v.path with / as _>_<name>``, with ``v``'s shape (Adam's
+        momentum and velocity, SGD's momentum, EMA averages); the longest
+        matching path wins. tf_gradkit's own state (window sums, masks) is
+        not a slot: variables of tf_gradkit optimizers are skipped."""
+        from tf_gradkit._model_hooks import optimizer_chain  # noqa: PLC0415
+
+        ours = {id(cls._tf_variable(v)) for o in optimizer_chain(optimizer)
+                if type(o).__module__.startswith("tf_gradkit.")
+                for v in o._variables}  # pylint: disable=protected-access
+        prefixes = sorted(((cls._path(v).replace("/", "_") + "_", v) for v in var_list),
+                          key=lambda pv: -len(pv[0]))
+        slots = {optimizer._var_key(v): [] for v in var_list}
+        for s in optimizer.variables:
+            tf_s = cls._tf_variable(s)
+            if id(tf_s) in ours:
+                continue
+            name = getattr(s, "name", "")
+            for prefix, v in prefixes:
+                if name.startswith(prefix) and tuple(s.shape) == tuple(v.shape):
+                    slots[optimizer._var_key(v)].append(tf_s)
+                    break
+        return slots
+
     @staticmethod
     def _ema_momentum(owner):
         # Keras 3 uses momentum 0 on its first step; `iterations` has been

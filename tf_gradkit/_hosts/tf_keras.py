@@ -133,6 +133,20 @@ class OptimizerHost(protocol.OptimizerHost):
                       for layer in model._flatten_layers())  # pylint: disable=protected-access
         return total, total - weights
 
+    @classmethod
+    def _slots_of(cls, optimizer, var_list):
+        """Maps each weight's key to its per-entry slots in ``optimizer``.
+
+        An optimizer variable ``s`` is a slot of model variable ``v`` when
+        ``s.shape == v.shape`` and ``s``'s name is ``<prefix>/<v's name>``,
+        the name tf_keras gives every variable made by
+        ``add_variable_from_reference(v, prefix)`` (Adam's ``m/`` and ``v/``,
+        SGD's ``m/``, RMSprop, Adagrad, Lion, EMA ``average/``); when several
+        weights' names are suffixes of one slot's name, the longest wins.
+        Others (scalars, Adafactor's factored statistics, tf_gradkit's own
+        ``<optimizer>/<name>.<weight>`` state) are never touched."""
+        return _slots_by_name(optimizer.variables, var_list, optimizer._var_key)
+
     @staticmethod
     def _ema_momentum(owner):
         return float(owner.ema_momentum)  # tf_keras: the same every step
@@ -240,6 +254,38 @@ class SlotHost(OptimizerHost):
     def _learning_rate_config(self):
         return {"learning_rate": self._serialize_hyperparameter(self._learning_rate)}
 
+
+
+def _base_name(variable):
+    name = getattr(variable, "_shared_name", None) or variable.name
+    return name[:-2] if name.endswith(":0") else name
+
+
+def _slots_by_name(optimizer_variables, var_list, key):
+    """Maps ``key(v)`` of each model variable to its slots (the rule above)."""
+    names = {}
+    for v in var_list:
+        names.setdefault(_base_name(v), []).append(v)
+    slots = {key(v): [] for v in var_list}
+    model_keys = set(slots)
+    for s in optimizer_variables:
+        if key(s) in model_keys:
+            continue
+        name = _base_name(s)
+        parts = name.split("/")
+        for start in range(1, len(parts)):  # longest suffix first
+            owners = [v for v in names.get("/".join(parts[start:]), ())
+                      if tuple(v.shape) == tuple(s.shape)]
+            if len(owners) > 1:
+                raise ValueError(
+                    f"Masked update: optimizer variable {name!r} could belong to "
+                    f"{len(owners)} model variables named "
+                    f"{_base_name(owners[0])!r}; give the layers unique names "
+                    "so that each slot maps to one weight.")
+            if owners:
+                slots[key(owners[0])].append(s)
+                break
+    return slots
 
 
 def constraint_class(set_class):

@@ -1,4 +1,10 @@
-"""Pruning that stays pruned: tfmot interoperation (tf_keras only).
+"""Pruning that stays pruned: our own for both flavours, and tfmot's (tf_keras).
+
+- `MagnitudePruning`: magnitude pruning with masks as optimizer state, for
+  Keras 3 (which tfmot does not support) and tf_keras alike: the active
+  flavour's class (``tf_gradkit.keras3.MagnitudePruning`` or
+  ``tf_gradkit.tf_keras.MagnitudePruning``); `PolynomialDecay` and
+  `ConstantSparsity` schedules with tfmot's semantics.
 
 tensorflow-model-optimization prunes tf_keras models only. Nothing here imports
 tfmot (whose import sets ``TF_USE_LEGACY_KERAS=1`` for the process) or sets an
@@ -21,6 +27,21 @@ _MEMBERS = {
     "strip_pruning": "stepping",
 }
 
-__all__ = sorted(_MEMBERS)
+_SCHEDULES = ("ConstantSparsity", "PolynomialDecay")
 
-__getattr__, __dir__ = _flavour.lazy_members(__name__, _MEMBERS)
+__all__ = sorted(list(_MEMBERS) + ["MagnitudePruning"] + list(_SCHEDULES))
+
+_members, _ = _flavour.lazy_members(__name__, _MEMBERS)
+
+
+def __getattr__(name):
+    if name == "MagnitudePruning":  # the active flavour's class
+        return _flavour.resolve(name, __name__)
+    if name in _SCHEDULES:
+        from tf_gradkit.core import pruning_schedule  # noqa: PLC0415
+        return getattr(pruning_schedule, name)
+    return _members(name)
+
+
+def __dir__():
+    return list(__all__)

@@ -1,23 +1,10 @@
-"""Finding masks and optimizer slots; argument checks. No tfmot import.
+"""Finding tfmot's masks; argument checks. No tfmot import.
 
 tfmot's ``PruneLowMagnitude`` wrapper is recognised by what it holds, not by
 its class, so that nothing here imports tensorflow-model-optimization (its
 import sets ``TF_USE_LEGACY_KERAS=1`` for the whole process): a layer with a
 ``pruning_obj`` and a ``pruning_vars`` list of ``(weight, mask, threshold)``.
 
-The slot rule (which optimizer variables are per-entry state of a weight):
-an optimizer variable ``s`` is a slot of model variable ``v`` when
-
-1. ``s.shape == v.shape``, and
-2. ``s``'s name is ``<prefix>/<v's name>`` -- the name tf_keras gives every
-   variable made by ``Optimizer.add_variable_from_reference(v, prefix)``
-   (Adam's ``m/`` and ``v/``, SGD's ``m/``, RMSprop, Adagrad, Lion, EMA
-   ``average/``, ...). When several model variables' names are suffixes of
-   one slot's name, the longest (most specific) wins.
-
-Variables made any other way (GradientAccumulator's ``acc_grad``, scalars,
-Adafactor's factored row/column statistics, whose shape differs) are not
-slots and are never touched.
 """
 
 import tensorflow as tf
@@ -136,35 +123,3 @@ def check_masks(masks, who):
                 f"variable shape {tuple(variable.shape)}.")
         pairs.append((variable, mask))
     return pairs
-
-
-def _base_name(variable):
-    name = getattr(variable, "_shared_name", None) or variable.name
-    return name[:-2] if name.endswith(":0") else name
-
-
-def slots_by_variable(optimizer_variables, var_list, key):
-    """Maps ``key(v)`` of each model variable to its slots (the rule above)."""
-    names = {}
-    for v in var_list:
-        names.setdefault(_base_name(v), []).append(v)
-    slots = {key(v): [] for v in var_list}
-    model_keys = set(slots)
-    for s in optimizer_variables:
-        if key(s) in model_keys:
-            continue
-        name = _base_name(s)
-        parts = name.split("/")
-        for start in range(1, len(parts)):  # longest suffix first
-            owners = [v for v in names.get("/".join(parts[start:]), ())
-                      if tuple(v.shape) == tuple(s.shape)]
-            if len(owners) > 1:
-                raise ValueError(
-                    f"MaskAware: optimizer variable {name!r} could belong to "
-                    f"{len(owners)} model variables named "
-                    f"{_base_name(owners[0])!r}; give the layers unique names "
-                    "so that each slot maps to one weight.")
-            if owners:
-                slots[key(owners[0])].append(s)
-                break
-    return slots

@@ -1,15 +1,14 @@
 """MaskAware: an optimizer wrapper that keeps pruned weights and their
 optimizer state exactly zero after every update (tf_keras, as tfmot).
 
-Written against the wrapper base (`tf_gradkit._algorithms.wrapper`); its
-public class is made for the tf_keras host by `tf_gradkit.pruning`.
+The masked update is `tf_gradkit._algorithms.masked_update`'s (shared with
+`MagnitudePruning`); this module reads tfmot's masks. Its public class is made
+for the tf_keras host by `tf_gradkit.pruning`.
 """
 
-import tensorflow as tf
-
 from tf_gradkit import _hosts
-from tf_gradkit._algorithms.wrapper import (Wrapper, no_gradients_error,
-                                            unexpected_arguments)
+from tf_gradkit._algorithms.masked_update import MaskedUpdate
+from tf_gradkit._algorithms.wrapper import unexpected_arguments
 from tf_gradkit._model_hooks import bind_after_load, optimizer_chain
 from tf_gradkit.core.masks import Masks
 from tf_gradkit._hosts import tf_keras as _tf_keras_host
@@ -18,22 +17,7 @@ from tf_gradkit.pruning import _masks
 _WHO = "MaskAware"
 
 
-def mask_gradient(grad, mask):
-    """``grad * mask`` for a dense gradient or ``tf.IndexedSlices``."""
-    if grad is None:
-        return None
-    if isinstance(grad, tf.IndexedSlices):
-        rows = tf.gather(tf.cast(mask, grad.values.dtype), grad.indices)
-        return tf.IndexedSlices(grad.values * rows, grad.indices, grad.dense_shape)
-    return grad * tf.cast(mask, grad.dtype)
-
-
-def _multiply_in_place(variable, mask):
-    value = variable.read_value()
-    return variable.assign(value * tf.cast(mask, value.dtype), read_value=False)
-
-
-class MaskAware(Wrapper):
+class MaskAware(MaskedUpdate):
     """Applies the wrapped optimizer through pruning masks (tf_keras).
 
     tfmot's ``PruneLowMagnitude`` re-applies its masks to the weights before
@@ -104,10 +88,6 @@ class MaskAware(Wrapper):
     >>> pruned.fit(x, y, callbacks=[UpdatePruningStepFromOptimizer()])
     """
 
-    # Masks go around any update, LM's (over the support) and windows' too.
-    WRAPS_RESIDUAL_OPTIMIZERS = True
-    WRAPS_ACCUMULATORS = True
-    provides_masks = True
     ACCEPTED = "optimizer, model, masks, name"
     REFUSALS = {"same": "One MaskAware keeps every mask of the model."}
 
@@ -169,84 +149,7 @@ class MaskAware(Wrapper):
     def _build_own(self, var_list):
         if self.masks.empty:
             return  # made by from_config: `attach` builds the targets
-        table = self.masks.table()
-        slots = _masks.slots_by_variable(
-            self.inner_optimizer.variables, var_list, self._var_key)
-        self._targets = self._no_dependency([
-            (table[key][0], table[key][1], slots[key])
-            for key in (self._var_key(v) for v in var_list) if key in table])
-
-    # ----------------------------------------------------------------- update
-    def _apply_grads(self, grads, variables, aggregated=False):
-        if all(grad is None for grad in grads):
-            raise no_gradients_error(variables)
-        table = self._table()
-        masked = []
-        for grad, variable in zip(grads, variables):
-            entry = table.get(self._var_key(variable))
-            masked.append(grad if entry is None else mask_gradient(grad, entry[1]))
-        before = tf.identity(self.iterations)
-        self._inner_apply(masked, variables, aggregated)
-        self._mask_state_if(tf.not_equal(self.iterations, before))
-
-    def _mask_state_if(self, updated):
-        """Masks weights and slots, if the inner optimizer really updated."""
-        if tf.distribute.has_strategy():
-            self.mask_state()  # merge calls cannot sit in a tf.cond branch
-        elif tf.executing_eagerly():
-            if bool(updated):
-                self.mask_state()
-        else:
-            def apply():
-                self.mask_state()
-                return tf.constant(True)
-            tf.cond(updated, apply, lambda: tf.constant(False))
-
-    def mask_state(self):
-        """``w <- w * M`` and ``s <- s * M`` for every masked weight and slot.
-
-        Done by ``apply_gradients`` after each real update; call it yourself
-        after changing masks outside training, or after ``minimize`` of an
-        optimizer that bypasses ``apply_gradients``.
-        """
-        if not self._targets:
-            return
-
-        def mask_all(distribution):
-            for variable, mask, slots in self._targets:
-                for target in [variable] + list(slots):
-                    distribution.extended.update(
-                        target, _multiply_in_place, args=(mask,), group=False)
-
-        if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
-            tf.distribute.get_replica_context().merge_call(mask_all)
-        elif tf.distribute.has_strategy():
-            mask_all(tf.distribute.get_strategy())
-        else:
-            # e.g. `finalize_variable_values` at the end of `fit`, outside the
-            # scope of the strategy the optimizer was created under.
-            with self._distribution_strategy.scope():
-                mask_all(self._distribution_strategy)
-
-    def minimize(self, loss, var_list, tape=None):
-        """As the inner optimizer's; for optimizers that need residuals (like
-        LevenbergMarquardt), calls the inner ``minimize`` then masks."""
-        if not getattr(self.inner_optimizer, "needs_residuals", False):
-            return super().minimize(loss, var_list, tape=tape)
-        var_list = list(var_list() if callable(var_list) else var_list)
-        with tf.init_scope():
-            self.build(var_list)
-        result = self.inner_optimizer.minimize(loss, var_list)
-        self.mask_state()
-        return result
-
-    @property
-    def needs_residuals(self):
-        return getattr(self.inner_optimizer, "needs_residuals", False)
-
-    def _finalize(self, var_list):
-        self.inner_optimizer.finalize_variable_values(var_list)
-        self.mask_state()
+        self._build_targets(var_list)
 
     def get_config(self):
         # Masks are data of the model, not configuration: `attach` them after

@@ -1,0 +1,310 @@
+"""MagnitudePruning: magnitude pruning with its masks as optimizer state,
+written once for both Keras flavours (the masks' rules are
+`tf_gradkit.core.magnitude`, the schedules `tf_gradkit.core.pruning_schedule`,
+the masked update `tf_gradkit._algorithms.masked_update`)."""
+
+import re
+
+import tensorflow as tf
+
+from tf_gradkit import _model_hooks
+from tf_gradkit._algorithms.masked_update import MaskedUpdate
+from tf_gradkit.core import magnitude
+from tf_gradkit.core import pruning_schedule
+from tf_gradkit.core.masks import Masks
+
+# The weights tfmot prunes: Dense/Conv/LocallyConnected kernels, Embedding
+# tables, SeparableConv's pointwise kernel, RNN cells' kernels (never biases,
+# never depthwise kernels), found by name, not by layer class.
+KERNEL_NAMES = ("kernel", "embeddings", "pointwise_kernel", "recurrent_kernel")
+_OWNER = "MagnitudePruning"
+
+
+def _weight_name(variable, path):
+    return path(variable).split("/")[-1].split(":")[0]
+
+
+def validate_arguments(targets, schedule, block_size, block_pooling, m_by_n):
+    """Raises a clear error for a bad constructor argument; changes nothing."""
+    if not (targets == "kernels" or isinstance(targets, str) or
+            (isinstance(targets, (list, tuple)) and targets)):
+        raise ValueError(
+            f"{_OWNER}: `targets` must be \"kernels\" (every Dense/Conv/Embedding/RNN "
+            "kernel), a path pattern (regex), or a non-empty list of layers, "
+            f"variables and patterns. Received: targets={targets!r}")
+    if schedule is not None and not isinstance(schedule, pruning_schedule.PruningSchedule):
+        raise ValueError(
+            f"{_OWNER}: `schedule` must be a tf_gradkit.pruning schedule "
+            "(PolynomialDecay, ConstantSparsity). Received: "
+            f"schedule={type(schedule).__name__}")
+    if not (isinstance(block_size, (list, tuple)) and len(block_size) == 2 and
+            all(isinstance(b, int) and not isinstance(b, bool) and b >= 1
+                for b in block_size)):
+        raise ValueError(f"{_OWNER}: `block_size` must be two integers >= 1. "
+                         f"Received: block_size={block_size!r}")
+    if str(block_pooling).lower() not in magnitude.BLOCK_POOLINGS:
+        raise ValueError(f"{_OWNER}: `block_pooling` must be one of "
+                         f"{magnitude.BLOCK_POOLINGS}. Received: "
+                         f"block_pooling={block_pooling!r}")
+    if m_by_n is not None:
+        ok = (isinstance(m_by_n, (list, tuple)) and len(m_by_n) == 2 and
+              all(isinstance(v, int) and not isinstance(v, bool) for v in m_by_n)
+              and 0 < m_by_n[0] < m_by_n[1])
+        if not ok:
+            raise ValueError(f"{_OWNER}: `m_by_n` must be (m, n) with integers "
+                             f"0 < m < n, e.g. (2, 4). Received: m_by_n={m_by_n!r}")
+        if tuple(block_size) != (1, 1):
+            raise ValueError(f"{_OWNER}: `m_by_n` and `block_size` are two ways to "
+                             f"place zeros; pass one. Received: m_by_n={m_by_n!r}, "
+                             f"block_size={block_size!r}")
+
+
+class MagnitudePruning(MaskedUpdate):
+    """Prunes the smallest weights on a schedule; pruned entries stay zero.
+
+    Masks are optimizer state: no wrapper layers, no ``strip_pruning`` step
+    (the saved model is the pruned model, its pruned weights exactly zero).
+    After every real update of the wrapped optimizer (its ``iterations``
+    moved to j), if the schedule prunes at step j + 1, each target's mask is
+    recomputed from its current weights (the smallest magnitudes, tfmot's
+    rules: `tf_gradkit.core.magnitude`); then the weights and their
+    optimizer slots (Adam's moments, momentum, EMA averages) are multiplied
+    by the masks, so after every step they are exactly zero where pruned,
+    and gradients are masked before the update. Step 1's masks are made from
+    the initial weights (before the first forward pass under ``fit`` with
+    ``model=``). Steps count real updates: inside a `GradientAccumulator`
+    (recommended: ``GradientAccumulator(MagnitudePruning(Adam(), ...))``)
+    windows, not micro-batches; around one, the same.
+
+    Schedules mean what tfmot's mean (same step, same sparsity, same
+    rounding of the number of zeros): tfmot's step k is the k-th training
+    batch, ours the k-th real update.
+
+    Args:
+      optimizer: the optimizer to wrap, of the same Keras flavour.
+      model: optional; resolves ``targets`` now (errors at construction) and,
+        under ``fit``, makes step 1's masks before the first forward pass.
+      targets: ``"kernels"`` (default: every Dense, Conv, Embedding,
+        SeparableConv pointwise and RNN kernel; never biases), a path
+        pattern (regex searched in each variable's path), or a list of
+        layers (their kernels), variables and patterns.
+      schedule: ``tf_gradkit.pruning.PolynomialDecay`` or ``ConstantSparsity``
+        (tfmot's, and its default: ``ConstantSparsity(0.5, 0)``). With
+        ``m_by_n`` the sparsity is ``1 - (n - m) / n`` whatever the schedule
+        says; the default then prunes once, at step 1 (tfmot's behaviour).
+      block_size: ``(rows, cols)`` blocks pruned together (2-D weights).
+      block_pooling: ``"avg"`` or ``"max"``: a block's magnitude.
+      m_by_n: ``(m, n)``: ``m`` zeros in every ``n`` weights along the input
+        axis (``(2, 4)`` for sparse tensor cores), Dense and Conv2D kernels.
+      name: optional name.
+
+    Example:
+
+    >>> schedule = tf_gradkit.pruning.PolynomialDecay(0.0, 0.8, begin_step=0,
+    ...                                              end_step=1000, frequency=100)
+    >>> opt = tf_gradkit.pruning.MagnitudePruning(keras.optimizers.Adam(1e-3),
+    ...                                           model=model, schedule=schedule)
+    >>> model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    >>> model.fit(x, y, epochs=10)   # no callback; model.save() saves it pruned
+    """
+
+    ACCEPTED = ("optimizer, model, targets, schedule, block_size, block_pooling, "
+                "m_by_n, name")
+    REFUSALS = {"same": "One MagnitudePruning prunes every chosen weight.",
+                "masks": "Prune with one of them."}
+
+    def __init__(self, optimizer, model=None, targets="kernels", schedule=None,
+                 block_size=(1, 1), block_pooling="avg", m_by_n=None, name=None,
+                 **kwargs):
+        validate_arguments(targets, schedule, block_size, block_pooling, m_by_n)
+        self._init_wrapper(optimizer, name or "magnitude_pruning", kwargs)
+        if schedule is None:
+            schedule = (pruning_schedule.ConstantSparsity(0.0, 1, 1, 1) if m_by_n
+                        else pruning_schedule.ConstantSparsity(0.5, 0))
+        self.schedule = schedule
+        self.block_size = tuple(block_size)
+        self.block_pooling = str(block_pooling).lower()
+        self.m_by_n = None if m_by_n is None else tuple(m_by_n)
+        self.targets = self._patterns(targets)
+        self.masks = Masks(self._var_key)  # filled when built
+        for inner in _model_hooks.optimizer_chain(optimizer):
+            if getattr(type(inner), "accepts_masks", False):
+                inner.masks = self.masks
+        self._bound = False
+        if model is not None:
+            self._check_model(model)
+            self._resolve(model.trainable_variables)  # errors now, before state
+            self.attach(model)
+
+    # --------------------------------------------------------------- targets
+    def _patterns(self, targets):
+        """``targets`` as path patterns (what the config saves)."""
+        if targets == "kernels":
+            return "kernels"
+        items = [targets] if isinstance(targets, str) else list(targets)
+        patterns = []
+        for item in items:
+            if isinstance(item, str):
+                re.compile(item)
+                patterns.append(item)
+                continue
+            weights = getattr(item, "trainable_weights", None)
+            if weights is not None:  # a layer: its kernels
+                kernels = [w for w in weights
+                           if _weight_name(w, self._path) in KERNEL_NAMES]
+                if not kernels:
+                    raise ValueError(
+                        f"{_OWNER}: layer {getattr(item, 'name', item)!r} has no weight "
+                        f"named one of {KERNEL_NAMES} to prune (is it built?). Name its "
+                        "variables or path patterns in `targets` instead.")
+                variables = kernels
+            elif hasattr(item, "shape") and hasattr(item, "assign"):
+                variables = [item]
+            else:
+                raise ValueError(f"{_OWNER}: `targets` entries must be layers, "
+                                 f"variables or path patterns. Received: {item!r}")
+            patterns += [f"(^|/){re.escape(self._path_below_model(v))}(:0)?$"
+                         for v in variables]
+        return patterns
+
+    def _resolve(self, variables):
+        """The variables of ``variables`` that are pruned; raises on a
+        pattern that matches none."""
+        variables = list(variables)
+        if self.targets == "kernels":
+            chosen = [v for v in variables if _weight_name(v, self._path) in KERNEL_NAMES
+                      and len(v.shape) >= 2]
+            if not chosen:
+                raise ValueError(
+                    f"{_OWNER}: none of the {len(variables)} trainable variables is a "
+                    f"kernel ({KERNEL_NAMES}); paths: "
+                    f"{[self._path(v) for v in variables[:12]]}. Name targets=.")
+            return chosen
+        chosen = []
+        for pattern in self.targets:
+            hits = [v for v in variables if re.search(pattern, self._path(v))]
+            if not hits:
+                raise ValueError(
+                    f"{_OWNER}: target {pattern!r} matches none of the {len(variables)} "
+                    f"trainable variables (paths: {[self._path(v) for v in variables[:12]]})")
+            chosen += [v for v in hits if all(v is not c for c in chosen)]
+        return chosen
+
+    # -------------------------------------------------------------- binding
+    def attach(self, model):
+        """Binds this optimizer to ``model`` (what ``model=`` does): under
+        ``fit`` the masks of step 1 are made before the first forward pass,
+        and an inner LevenbergMarquardt's steps are followed by the masks'."""
+        self._check_model(model)
+        _model_hooks.ModelBinding.bind(model, self, self._CALLBACK)
+        self._bound = True
+        return self
+
+    def _on_fit_start(self, model):
+        """Before ``fit``: builds, and makes step 1's masks (when the
+        schedule prunes at step 1) before the first forward pass."""
+        if model.built and self.masks.empty and model.trainable_variables:
+            with self._distribution_strategy.scope():
+                self.build(model.trainable_variables)
+        if not self.masks.empty and int(self.iterations.numpy()) == 0 and \
+                bool(self._due(1).numpy()):
+            with self._distribution_strategy.scope():
+                self._recompute(True, 1)
+                self.mask_state()
+
+    def _wrap_train_step(self, step, model):
+        del model
+        if not self.needs_residuals:
+            return step
+
+        def pruned_step(data):  # LM replaces the step: mask after it
+            logs = step(data)
+            self.mask_state(True)
+            return logs
+
+        return pruned_step
+
+    # ----------------------------------------------------------------- state
+    def _build_own(self, var_list):
+        pairs = [(v, self._new_variable(v.shape, v.dtype, "mask", initial=1.0,
+                                        sync="none", reference=v))
+                 for v in self._resolve(var_list)]
+        self.masks.attach(pairs=pairs)
+        self._build_targets(var_list)
+
+    def _table(self):
+        return self.masks.table()
+
+    def _due(self, step):
+        return self.schedule.should_prune(step)
+
+    def _new_mask(self, variable, step):
+        weights = self._tf_variable(variable).read_value()
+        if self.m_by_n is not None:
+            return magnitude.m_by_n_mask(weights, *self.m_by_n)
+        return magnitude.magnitude_mask(weights, self.schedule.sparsity(step),
+                                        self.block_size, self.block_pooling)
+
+    def _recompute(self, due, step, distribution=None):
+        """Recomputes every mask at ``step`` where ``due`` (an integer
+        conditional: the sort runs only then, under XLA too)."""
+        distribution = distribution or tf.distribute.get_strategy()
+        index = tf.cast(due, tf.int32)
+        for variable, mask, _ in self._targets:
+            value = tf.switch_case(index, [
+                lambda mask=mask: tf.identity(mask.read_value()),
+                lambda variable=variable: self._new_mask(variable, step)])
+            distribution.extended.update(
+                mask, lambda m, v: m.assign(v, read_value=False), args=(value,),
+                group=False)
+
+    def _after_update(self, distribution, updated):
+        step = tf.cast(self.iterations, tf.int64) + 1
+        self._recompute(tf.logical_and(tf.convert_to_tensor(updated), self._due(step)),
+                        step, distribution)
+
+    def _apply_grads(self, grads, variables, aggregated=False):
+        if self._due_at_one_possible():
+            # Step 1's masks from the weights before the first update (a
+            # custom loop; fit with model= made them before the first step).
+            self._before_first(tf.logical_and(tf.equal(self.iterations, 0), self._due(1)))
+        super()._apply_grads(grads, variables, aggregated)
+
+    def _due_at_one_possible(self):
+        s = self.schedule
+        return s.begin_step <= 1 and (1 - s.begin_step) % s.frequency == 0 and (
+            s.end_step == -1 or s.end_step >= 1)
+
+    def _before_first(self, due):
+        def recompute(distribution):
+            self._recompute(due, 1, distribution)
+
+        if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
+            tf.distribute.get_replica_context().merge_call(recompute)
+        else:
+            recompute(tf.distribute.get_strategy())
+
+    # ------------------------------------------------------------- reporting
+    def sparsity(self):
+        """``{variable path: fraction of its mask that is zero}``."""
+        return {self._path(v): float(1.0 - tf.reduce_mean(tf.cast(m, tf.float32)))
+                for v, m in self._table().values()}
+
+    def get_config(self):
+        return {"name": self.name, "optimizer": self._inner_config(),
+                "targets": self.targets,
+                "schedule": pruning_schedule.serialize(self.schedule),
+                "block_size": list(self.block_size), "block_pooling": self.block_pooling,
+                "m_by_n": None if self.m_by_n is None else list(self.m_by_n),
+                "bound_to_model": self._bound}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        bound = config.pop("bound_to_model", False)
+        config["schedule"] = pruning_schedule.deserialize(config["schedule"])
+        inner = cls._inner_from_config(config, custom_objects)
+        optimizer = cls(inner, **config)
+        optimizer._bound = bool(bound)
+        _model_hooks.bind_after_load(optimizer, bound)
+        return optimizer
