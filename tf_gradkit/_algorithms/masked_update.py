@@ -106,6 +106,8 @@ class MaskedUpdate(Wrapper):
             return
 
         def mask_all(distribution, updated):
+            if isinstance(updated, tf.distribute.DistributedValues):  # the same on all
+                updated = distribution.experimental_local_results(updated)[0]
             self._after_update(distribution, updated)
             for variable, mask, slots in self._targets:
                 for target in [variable] + list(slots):
