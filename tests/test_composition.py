@@ -5,7 +5,8 @@ plain optimizers) or is refused at construction with a message naming both
 classes and what to write instead. docs/composing.md shows the same table.
 
 Wrappers: GradientAccumulator ("acc"), Projected ("proj"),
-AugmentedLagrangian ("lagr"), pruning.MaskAware ("mask", tf_keras only),
+AugmentedLagrangian ("lagr"), MagnitudePruning ("prune"), pruning.MaskAware
+("mask", tf_keras only),
 Keras's LossScaleOptimizer ("lso") and Keras 3.15's MultiOptimizer ("multi",
 Keras 3 only: the inner optimizer takes the first layer, SGD the rest).
 Inner optimizers: SGD, Adam, Adam with ``use_ema``, LevenbergMarquardt,
@@ -20,6 +21,8 @@ By hand, with the same data (4 batches of 8) and initial weights:
               constraint |first kernel|^2 - 1 <= 0, rho = 1, multipliers 0
               (no dual update in 4 steps);
   mask(I)     the inner step on masked gradients, then weights * mask;
+  prune(I)    the same with the mask of MagnitudePruning at 50% of the first
+              kernel, made from its initial values before the first step;
   lso(I)      the inner step (scales are powers of 2: exact);
   multi(I)    I's step on the first layer's variables, SGD's on the others;
   multi       SGD on the first layer's variables, Adam on the others.
@@ -34,9 +37,9 @@ from helpers import ROUNDOFF, max_abs_diff, mlp, regression_data, weights_of
 from tf_gradkit import constraints as C
 
 K3 = FLAVOUR == "keras3"
-WRAPPERS = ["acc", "proj", "lagr", "lso"] + (["multi"] if K3 else ["mask"])
+WRAPPERS = ["acc", "proj", "lagr", "lso", "prune"] + (["multi"] if K3 else ["mask"])
 INNERS = ["sgd", "adam", "ema", "lm", "fw", "lso(adam)", "acc(sgd)", "proj(adam)",
-          "lagr(adam)"] + (["kacc(sgd)", "multi"] if K3 else ["mask(sgd)"])
+          "lagr(adam)", "prune(sgd)"] + (["kacc(sgd)", "multi"] if K3 else ["mask(sgd)"])
 
 # The refused cells, each with what its message must say (both class names
 # and the advice). Everything else must equal the by-hand loop.
@@ -55,10 +58,15 @@ REFUSED = {
     ("lagr", "lso(adam)"): r"AugmentedLagrangian cannot wrap LossScaleOptimizer.*"
                            r"other way round",
     ("mask", "mask(sgd)"): r"MaskAware cannot wrap MaskAware",
+    ("prune", "prune(sgd)"): r"MagnitudePruning cannot wrap MagnitudePruning",
+    ("prune", "mask(sgd)"): r"MagnitudePruning cannot wrap MaskAware.*both keep pruning masks",
+    ("mask", "prune(sgd)"): r"MaskAware cannot wrap MagnitudePruning.*both keep pruning masks",
 }
 if K3:  # Keras 3's compile would wrap the wrapper in a second loss-scale optimizer
     REFUSED[("acc", "lso(adam)")] = (r"GradientAccumulator cannot wrap LossScaleOptimizer"
                                      r".*unscaled twice.*outside")
+    REFUSED[("prune", "lso(adam)")] = (r"MagnitudePruning cannot wrap LossScaleOptimizer"
+                                       r".*unscaled twice.*outside")
     REFUSED[("proj", "lso(adam)")] = (r"Projected cannot wrap LossScaleOptimizer"
                                       r".*unscaled twice.*outside")
 # Cells Keras refuses when the MultiOptimizer is built (the first fit), with
@@ -71,6 +79,8 @@ REFUSED_AT_FIT = {
 # Cells whose by-hand equivalence has its own test elsewhere.
 ELSEWHERE = {
     ("mask", "lm"): "test_lm_support.py: MaskAware(LM) equals LM on the restricted problem",
+    ("prune", "lm"): "test_magnitude_pruning.py: MagnitudePruning(LevenbergMarquardt(model)) "
+                     "solves over the unpruned weights",
     ("lso", "lm"): "test_levenberg_marquardt.py: mixed-precision LM (its own float32 step; "
                    "apply_gradients refused with LM's usage message)",
     ("lso", "lso(adam)"): "Keras's own class in Keras's own class: not ours",
@@ -139,7 +149,18 @@ def build(K, gk, name, model):
     if outer == "mask":
         from tf_gradkit import pruning  # noqa: PLC0415
         return pruning.MaskAware(inner, masks={model.trainable_variables[0].ref(): MASK})
+    if outer == "prune":  # half the first kernel, from its initial values, at step 1
+        from tf_gradkit import pruning  # noqa: PLC0415
+        return gk.MagnitudePruning(inner, model=model, targets=[model.trainable_variables[0]],
+                                   schedule=pruning.ConstantSparsity(0.5, 1, 1, 1))
     raise KeyError(name)
+
+
+def _half_mask(kernel):
+    """tfmot's rule at 50%: keep the larger half of |kernel|."""
+    w = np.abs(kernel.numpy())
+    keep = int(np.round(np.float32(w.size) * np.float32(0.5)))
+    return (w >= np.sort(w.ravel())[::-1][keep - 1]).astype("float32")
 
 
 def by_hand(K, gk, name, variables, leaves):
@@ -201,13 +222,17 @@ def by_hand(K, gk, name, variables, leaves):
         return step
     if outer == "lso":
         return inner
-    if outer == "mask":
+    if outer in ("mask", "prune"):
+        mask = MASK if outer == "mask" else _half_mask(variables[0])
+        if outer == "prune":  # made before the first step
+            variables[0].assign(variables[0] * mask)
+
         def step(grads):
-            grads = [grads[0] * MASK] + list(grads[1:])
+            grads = [grads[0] * mask] + list(grads[1:])
             if moved(inner, grads):
-                variables[0].assign(variables[0] * MASK)
+                variables[0].assign(variables[0] * mask)
         # After the inner optimizers' end-of-fit write (EMA averages), too.
-        leaves.append(lambda: variables[0].assign(variables[0] * MASK))
+        leaves.append(lambda: variables[0].assign(variables[0] * mask))
         return step
     raise KeyError(name)
 

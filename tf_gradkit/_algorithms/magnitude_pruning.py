@@ -111,7 +111,10 @@ class MagnitudePruning(MaskedUpdate):
     ACCEPTED = ("optimizer, model, targets, schedule, block_size, block_pooling, "
                 "m_by_n, name")
     REFUSALS = {"same": "One MagnitudePruning prunes every chosen weight.",
-                "masks": "Prune with one of them."}
+                "masks": "Prune with one of them.",
+                "loss_scale": "Put the LossScaleOptimizer outside: compile a plain "
+                              "MagnitudePruning (under a mixed_float16 policy Keras wraps "
+                              "it), or write LossScaleOptimizer(MagnitudePruning(...))."}
 
     def __init__(self, optimizer, model=None, targets="kernels", schedule=None,
                  block_size=(1, 1), block_pooling="avg", m_by_n=None, name=None,
@@ -201,16 +204,11 @@ class MagnitudePruning(MaskedUpdate):
         return self
 
     def _on_fit_start(self, model):
-        """Before ``fit``: builds, and makes step 1's masks (when the
-        schedule prunes at step 1) before the first forward pass."""
+        """Before ``fit``: builds (making step 1's masks, when the schedule
+        prunes at step 1, before the first forward pass)."""
         if model.built and self.masks.empty and model.trainable_variables:
             with self._distribution_strategy.scope():
                 self.build(model.trainable_variables)
-        if not self.masks.empty and int(self.iterations.numpy()) == 0 and \
-                bool(self._due(1).numpy()):
-            with self._distribution_strategy.scope():
-                self._recompute(True, 1)
-                self.mask_state()
 
     def _wrap_train_step(self, step, model):
         del model
@@ -231,6 +229,14 @@ class MagnitudePruning(MaskedUpdate):
                  for v in self._resolve(var_list)]
         self.masks.attach(pairs=pairs)
         self._build_targets(var_list)
+        # Built eagerly before the first update (Keras 3's fit, `model=`
+        # under fit, a custom loop's `build`): step 1's masks now, from the
+        # initial weights, so the first forward pass sees them. Not for an
+        # optimizer Keras is loading: its state comes next.
+        if tf.executing_eagerly() and self._model_loaded_for() is None and \
+                int(self.iterations.numpy()) == 0 and bool(self._due(1).numpy()):
+            self._recompute(True, 1)
+            self.mask_state()
 
     def _table(self):
         return self.masks.table()

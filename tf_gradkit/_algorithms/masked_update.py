@@ -41,6 +41,8 @@ class MaskedUpdate(Wrapper):
     # Masks go around any update, LM's (over the support) and windows' too.
     WRAPS_RESIDUAL_OPTIMIZERS = True
     WRAPS_ACCUMULATORS = True
+    # Masks gradients every call and weights when an update happened.
+    WRAPS_KERAS_ACCUMULATION = True
     provides_masks = True
     _targets = ()
 
