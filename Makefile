@@ -40,6 +40,7 @@ test: test-keras3 test-tf-keras
 	$(PY) examples/nmf.py
 	$(PY) examples/constrained_classifier.py
 	$(PY) examples/pruning_workflow.py
+	$(PY) examples/pruning_keras3.py
 	$(PY) examples/multiworker_fit.py
 	$(PY) examples/parameter_server.py
 
@@ -80,6 +81,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/constraints.py
 	$(PY) benchmarks/frank_wolfe.py
 	$(PY) benchmarks/pruning.py
+	$(PY) benchmarks/pruning_keras3.py
 	$(PY) benchmarks/distributed.py
 
 clean:
