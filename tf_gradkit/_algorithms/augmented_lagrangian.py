@@ -99,6 +99,7 @@ class AugmentedLagrangian(Wrapper):
         >>> # x -> [0.1, 0.9]; opt.metrics()["lagrange_violation"] -> 0
     """
 
+    PRESERVES_ZEROS = False  # adds the penalty's gradient to every variable
     ACCEPTED = ("optimizer, constraints, model, dual_every, initial_penalty, growth, "
                 "max_penalty, decrease, tolerance, name")
     REFUSALS = {

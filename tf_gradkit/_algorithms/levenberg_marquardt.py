@@ -271,7 +271,7 @@ class LevenbergMarquardt:
         """
         if self.masks is None:
             return None
-        masks = [self.masks.mask_for(v) for v in variables]
+        masks = [self.masks.mask_for(v, cast=False) for v in variables]
         if all(m is None for m in masks):
             return None
         parts, capacity = [], 0

@@ -8,7 +8,7 @@ import re
 import tensorflow as tf
 
 from tf_gradkit import _model_hooks
-from tf_gradkit._algorithms.masked_update import MaskedUpdate
+from tf_gradkit._algorithms.masked_update import MaskedUpdate, _multiply_in_place
 from tf_gradkit.core import magnitude
 from tf_gradkit.core import pruning_schedule
 from tf_gradkit.core.masks import Masks
@@ -18,6 +18,9 @@ from tf_gradkit.core.masks import Masks
 # never depthwise kernels), found by name, not by layer class.
 KERNEL_NAMES = ("kernel", "embeddings", "pointwise_kernel", "recurrent_kernel")
 _OWNER = "MagnitudePruning"
+# Masks hold 0 and 1, exact in float16: half the bytes a step reads to mask
+# gradients (bool would be smaller but lives in host memory on GPUs).
+MASK_DTYPE = tf.float16
 
 
 def _weight_name(variable, path):
@@ -224,7 +227,7 @@ class MagnitudePruning(MaskedUpdate):
 
     # ----------------------------------------------------------------- state
     def _build_own(self, var_list):
-        pairs = [(v, self._new_variable(v.shape, v.dtype, "mask", initial=1.0,
+        pairs = [(v, self._new_variable(v.shape, MASK_DTYPE, "mask", initial=1.0,
                                         sync="none", reference=v))
                  for v in self._resolve(var_list)]
         self.masks.attach(pairs=pairs)
@@ -251,18 +254,29 @@ class MagnitudePruning(MaskedUpdate):
         return magnitude.magnitude_mask(weights, self.schedule.sparsity(step),
                                         self.block_size, self.block_pooling)
 
+    # Weights and slots are masked when the masks change; between changes the
+    # masked gradients keep them zero, if every optimizer below preserves
+    # zeros (`masked_update._only_at_changes`); else after every update.
+    MASK_SLOTS_EVERY_UPDATE = False
+
     def _recompute(self, due, step, distribution=None):
-        """Recomputes every mask at ``step`` where ``due`` (an integer
-        conditional: the sort runs only then, under XLA too)."""
+        """Recomputes every mask at ``step`` where ``due``, and masks the
+        slots with them: inside an integer conditional, so that the sort and
+        the writes run only then (XLA keeps a ``switch_case`` a conditional)."""
         distribution = distribution or tf.distribute.get_strategy()
-        index = tf.cast(due, tf.int32)
-        for variable, mask, _ in self._targets:
-            value = tf.switch_case(index, [
-                lambda mask=mask: tf.identity(mask.read_value()),
-                lambda variable=variable: self._new_mask(variable, step)])
-            distribution.extended.update(
-                mask, lambda m, v: m.assign(v, read_value=False), args=(value,),
-                group=False)
+
+        def change():
+            for variable, mask, _ in self._targets:
+                distribution.extended.update(
+                    mask, lambda m, v: m.assign(v, read_value=False),
+                    args=(tf.cast(self._new_mask(variable, step), MASK_DTYPE),), group=False)
+            for variable, mask, _ in self._targets:
+                distribution.extended.update(variable, _multiply_in_place, args=(mask,),
+                                             group=False)
+            self._mask_slots(distribution)
+            return tf.constant(True)
+
+        tf.switch_case(tf.cast(due, tf.int32), [lambda: tf.constant(False), change])
 
     def _after_update(self, distribution, updated):
         step = tf.cast(self.iterations, tf.int64) + 1

@@ -43,6 +43,10 @@ class Wrapper:
     WRAPS_KERAS_ACCUMULATION = False   # inner gradient_accumulation_steps
     REFUSALS = {}                      # reason -> advice
     ACCEPTED = "optimizer, name"       # the constructor's arguments, for errors
+    # Whether this wrapper's own step leaves an entry with a zero gradient at
+    # zero (masks between changes rely on it: `masked_update`); an
+    # AugmentedLagrangian adds gradient terms of its own, so it does not.
+    PRESERVES_ZEROS = True
 
     def _init_wrapper(self, optimizer, name, kwargs):
         """Checks the backend, the arguments and the inner optimizer, then

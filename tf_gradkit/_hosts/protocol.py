@@ -77,6 +77,16 @@ def traced_values(call, y_true, y_pred):
         return None
 
 
+# Keras optimizers whose update leaves an entry with a zero gradient and a
+# zero state (slots) exactly zero (SGD's momentum, Adam's moments over an
+# epsilon, decoupled weight decay of a zero weight, ...): checked one by one.
+# Not Muon (it orthogonalises the momentum matrix) nor ScheduleFreeAdamW (it
+# interpolates between sequences).
+_ZERO_PRESERVING = ("SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad",
+                    "Adadelta", "Ftrl", "Lion", "Lamb", "Adafactor", "LossScaleOptimizer",
+                    "MultiOptimizer")
+
+
 class OptimizerHost:
     """The flavour-free part of every host (see the module doc)."""
 
@@ -96,6 +106,9 @@ class OptimizerHost:
             cls._CALLBACK = keras.callbacks.Callback
             cls._DEFAULT_MODEL = keras.Model
             cls._SGD = keras.optimizers.SGD
+            cls._ZERO_PRESERVING = tuple(
+                getattr(keras.optimizers, name) for name in _ZERO_PRESERVING
+                if hasattr(keras.optimizers, name))
 
     # The functions of the flavour's Keras that deserialise a model's
     # optimizer while loading a saved model: name -> (the local holding the
@@ -176,6 +189,17 @@ class OptimizerHost:
     @classmethod
     def _is_loss_scale(cls, optimizer):
         return isinstance(optimizer, cls._LOSS_SCALE)
+
+    @classmethod
+    def _preserves_zeros(cls, optimizer):
+        """Whether ``optimizer``'s own update leaves an entry with a zero
+        gradient and zero slots at zero: tf_gradkit's optimizers say so
+        (``PRESERVES_ZEROS``), Keras's are listed above (exactly those
+        classes); anything else is assumed not to."""
+        declared = getattr(type(optimizer), "PRESERVES_ZEROS", None)
+        if declared is not None:
+            return declared
+        return type(optimizer) in cls._ZERO_PRESERVING  # a subclass may update otherwise
 
     @classmethod
     def _unpack(cls, data):

@@ -58,14 +58,15 @@ class Masks:
                            for variable, mask in pairs}
         return self._table
 
-    def mask_for(self, variable):
-        """The current mask of ``variable`` in its dtype, or None if unmasked.
-        A mask variable of the same dtype is returned as is (LM reads its
-        non-zero count when it traces a step)."""
+    def mask_for(self, variable, cast=True):
+        """The current mask of ``variable`` in its dtype (``cast=False``: as
+        it is kept), or None if unmasked. A mask variable of the same dtype,
+        or any mask variable with ``cast=False``, is returned as is (LM reads
+        its non-zero count when it traces a step)."""
         entry = self.table().get(self._key(variable))
         if entry is None:
             return None
         mask = entry[1]
-        if isinstance(mask, tf.Variable) and mask.dtype == variable.dtype:
+        if isinstance(mask, tf.Variable) and (mask.dtype == variable.dtype or not cast):
             return mask
         return tf.cast(mask, variable.dtype)
