@@ -15,6 +15,7 @@ References:
 
 from typing import NamedTuple
 
+import numpy as np
 import tensorflow as tf
 
 
@@ -322,6 +323,44 @@ class Marquardt:
         tiny = tf.constant(1e-30 if scale.dtype == tf.float64 else 1e-20,
                            scale.dtype)
         return tf.maximum(scale, tiny)
+
+
+class XScale:
+    """``D^2 = 1 / x_scale^2``: fixed characteristic scales of the parameters
+    (scipy's array ``x_scale``): the trust region is a sphere in the
+    variables ``x / x_scale``.
+
+    Args:
+      x_scale: positive floats, one per parameter (flat), or one float.
+    """
+
+    needs_diagonal = False
+
+    def __init__(self, x_scale):
+        scale = np.asarray(x_scale, np.float64).reshape(-1)
+        if scale.size == 0 or not np.all(np.isfinite(scale)) or not np.all(scale > 0):
+            raise ValueError("XScale: `x_scale` must be positive finite numbers "
+                             f"(or 'jac'). Received: x_scale={x_scale!r}")
+        self.x_scale = scale
+
+    def get_config(self):
+        return {"x_scale": self.x_scale.tolist()}
+
+    def init(self, num_params, dtype):
+        if self.x_scale.size not in (1, num_params):
+            raise ValueError(
+                f"XScale: `x_scale` has {self.x_scale.size} values but there are "
+                f"{num_params} parameters; pass one value or one per parameter.")
+        return tf.zeros([num_params], dtype)
+
+    def update(self, scale, jtj_diag):
+        del jtj_diag
+        return scale
+
+    def diagonal(self, scale, jtj_diag):
+        del scale
+        return tf.ones_like(jtj_diag) / tf.constant(self.x_scale ** 2,
+                                                    jtj_diag.dtype)
 
 
 CONTROLLERS = {"nielsen": Nielsen, "multiply_divide": MultiplyDivide,

@@ -9,11 +9,13 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
+from tf_gradkit.core.lm import bounds as bounds_lib
 from tf_gradkit.core.lm import damping as damping_lib
 from tf_gradkit.core.lm import geodesic as geodesic_lib
 from tf_gradkit.core.lm import linearize as lin_lib
 from tf_gradkit.core.lm import linear_solvers as solvers_lib
 from tf_gradkit.core.lm.parts import check_parts, resolve_part
+from tf_gradkit.core.lm.robust import RobustLoss
 from tf_gradkit.core.lm import step as step_lib
 
 REASONS = ("running", "gradient tolerance", "step tolerance", "cost tolerance",
@@ -41,7 +43,24 @@ class LeastSquaresResult(NamedTuple):
       damping: final damping (lambda; 0 for a Gauss-Newton step).
       optimality: ``max_j |J_j . r| / (|J_j| |r|)`` at the final point, the
         cosine between the residuals and the Jacobian's columns (0 at a
-        minimum; MINPACK's gtol measure); 0 for matrix-free solvers.
+        minimum; MINPACK's gtol measure), over the parameters not held on a
+        bound; 0 for matrix-free solvers.
+      x: the solution, flat (the variables' elements in order); the
+        variables themselves hold it too.
+      fun: the residuals at the solution, flat [N] (scipy's ``fun``).
+      jac: the Jacobian at the solution [N, P], for a robust loss scaled as
+        scipy's (``jac^T jac`` is the Gauss-Newton Hessian of the cost);
+        None with a matrix-free solver.
+      grad: the cost's gradient at the solution [P] (scipy's ``grad``).
+      active_mask: per parameter, -1 on its lower bound, 1 on its upper
+        bound, 0 inside (scipy's ``active_mask``; all 0 without bounds).
+      covariance: the parameters' covariance estimate [P, P], as
+        ``scipy.optimize.curve_fit``'s ``pcov`` with ``absolute_sigma=False``:
+        the pseudo-inverse of ``jac^T jac`` (singular values below
+        ``eps * max(N, P) * s_max`` dropped) times ``2 cost / (N - P)``
+        (``inf`` when N <= P). Residuals weighted by ``1/sigma`` with
+        absolute sigmas: ``covariance * (N - P) / (2 * cost)``. None with
+        a matrix-free solver.
     """
 
     cost: tf.Tensor
@@ -50,6 +69,12 @@ class LeastSquaresResult(NamedTuple):
     reason_code: tf.Tensor
     damping: tf.Tensor
     optimality: tf.Tensor
+    x: tf.Tensor = None
+    fun: tf.Tensor = None
+    jac: tf.Tensor = None
+    grad: tf.Tensor = None
+    active_mask: tf.Tensor = None
+    covariance: tf.Tensor = None
 
     @property
     def reason(self):
@@ -60,8 +85,9 @@ class LeastSquaresResult(NamedTuple):
 
 
 def least_squares(residual_fn, var_list, max_iterations=100, *,
-                  controller="trust_region", scaling="marquardt", solver="qr",
+                  controller="trust_region", scaling=None, solver="qr",
                   max_attempts=10, gtol=None, xtol=None, ftol=None,
+                  bounds=None, loss="linear", f_scale=1.0, x_scale=None,
                   geodesic_acceleration=False, jit_compile=True):
     """Solves a nonlinear least-squares problem by Levenberg-Marquardt.
 
@@ -79,7 +105,9 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         (103 at a listed minimum) against Nielsen's 97 (101) and MINPACK's 95
         (103), and it solves Meyer's function from 10x0 and 100x0 where
         Nielsen crawls (docs/levenberg_marquardt.md).
-      scaling: "marquardt" (default, scale-invariant) or "levenberg".
+      scaling: "marquardt" (default, scale-invariant: ``D`` from the
+        Jacobian's column norms, running max as MINPACK) or "levenberg"
+        (``D = I``); or use ``x_scale``.
       solver: "qr" (default: precision on ill-conditioned problems),
         "cholesky" (fast normal equations), "dual" (J J^T form, for fewer
         residuals than parameters), "cg" (matrix-free conjugate gradients,
@@ -94,6 +122,19 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         that small (the cost no longer changes at this precision); default
         ``4 * eps``. Large-residual problems converge linearly, so a looser
         ``ftol`` stops them early (NIST ENSO: LRE 6.0 at 1e-14, 7.1 here).
+      bounds: ``(lower, upper)`` as scipy's: each a scalar, an array over
+        all parameters (the variables' elements in order) or a list with one
+        entry per variable; ``-inf``/``inf`` for none. The iterates never
+        leave the box (a projected step with an active set, `bounds.py`);
+        the start must lie inside it.
+      loss: "linear" (default), "soft_l1", "huber", "cauchy" or "arctan":
+        scipy's robust losses; the cost is ``0.5 * f_scale^2 *
+        sum(rho((r / f_scale)^2))`` (`robust.py`).
+      f_scale: the residual size where a robust loss stops being quadratic.
+      x_scale: scipy's ``x_scale``: "jac" (the Jacobian's column norms,
+        which is ``scaling="marquardt"``) or positive characteristic scales,
+        one per parameter or one for all (the trust region is a sphere in
+        ``x / x_scale``). Replaces ``scaling``.
       geodesic_acceleration: add Transtrum-Sethna's second-order correction
         to each step (two extra residual evaluations and one VJP per
         attempt), for curved valleys; off by default because on the NIST set
@@ -129,10 +170,23 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         raise ValueError("least_squares: `max_iterations` must be an integer >= 1. "
                          f"Received: max_iterations={max_iterations!r}")
     controller = resolve_part(controller, damping_lib.CONTROLLERS, "controller")
-    scaling = resolve_part(scaling, damping_lib.SCALINGS, "scaling")
+    if x_scale is not None:
+        if scaling is not None:
+            raise ValueError("least_squares: pass `scaling` or `x_scale`, not both "
+                             f"(x_scale sets the scaling). Received: scaling="
+                             f"{scaling!r}, x_scale={x_scale!r}")
+        scaling = (damping_lib.Marquardt() if isinstance(x_scale, str)
+                   and x_scale == "jac" else _x_scale(x_scale))
+    scaling = resolve_part("marquardt" if scaling is None else scaling,
+                           damping_lib.SCALINGS, "scaling")
     solver = resolve_part(solver, solvers_lib.SOLVERS, "solver")
     check_parts(scaling, solver, "least_squares")
+    robust = RobustLoss(loss, f_scale)
     geodesic = None
+    if geodesic_acceleration and (bounds is not None or not robust.is_linear):
+        raise ValueError("least_squares: `geodesic_acceleration` works on plain "
+                         "unbounded least squares only; drop it, or drop `bounds` "
+                         "and `loss`.")
     if geodesic_acceleration:
         alpha = 0.75 if geodesic_acceleration is True else float(geodesic_acceleration)
         geodesic = geodesic_lib.GeodesicAcceleration(residual_fn, alpha=alpha)
@@ -142,16 +196,39 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
     xtol = eps ** 0.75 if xtol is None else xtol
     ftol = 4 * eps if ftol is None else ftol
     num_params = sum(v.shape.num_elements() for v in var_list)
+    box = None
+    if bounds is not None:
+        box = bounds_lib.Bounds.from_argument(bounds, var_list, dtype)
+        if tf.executing_eagerly():
+            box.check_feasible(lin_lib.flatten(var_list, dtype).numpy())
+    step_fn = residual_fn if robust.is_linear else robust.scaled(residual_fn, dtype)
 
     def cost_fn():
         r = tf.cast(tf.reshape(residual_fn(), [-1]), dtype)
-        return 0.5 * tf.reduce_sum(tf.square(r))
+        if robust.is_linear:
+            return 0.5 * tf.reduce_sum(tf.square(r))
+        return robust.cost(r)
+
+    def linearize(form=solver.consumes):
+        lin = lin_lib.linearize_as(form, step_fn, var_list, dtype)
+        return lin if robust.is_linear else lin._replace(cost=cost_fn())
+
+    def held(lin):
+        """``lin`` with the parameters held on a bound frozen."""
+        if box is None:
+            return lin
+        x = lin_lib.flatten(var_list, dtype)
+        return bounds_lib.freeze(lin, box.frozen(x, lin.jtr))
 
     def solve():
+        if box is not None and not tf.executing_eagerly():
+            for v, inside in zip(var_list, lin_lib.unflatten(
+                    box.clip(lin_lib.flatten(var_list, dtype)), var_list)):
+                v.assign(inside)
+
         def body(it, reason, state, cost):
             del cost
-            lin = lin_lib.linearize_as(solver.consumes, residual_fn, var_list,
-                                       dtype)
+            lin = held(linearize())
             grad_small = tf.reduce_max(tf.abs(lin.jtr)) <= gtol * tf.maximum(
                 lin.cost, 1.0)
 
@@ -159,7 +236,7 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                 new_state, info = step_lib.levenberg_marquardt_step(
                     lin, cost_fn, var_list, state, controller=controller,
                     scaling=scaling, solver=solver, max_attempts=max_attempts,
-                    geodesic=geodesic)
+                    geodesic=geodesic, bounds=box)
                 x_norm = tf.norm(lin_lib.flatten(var_list, dtype))
                 small_step = info.accepted & (info.step_norm <= xtol * (xtol + x_norm))
                 small_drop = info.accepted & (
@@ -192,8 +269,9 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
             (tf.constant(0), tf.constant(0), state, tf.constant(0.0, dtype)),
             maximum_iterations=max_iterations)
         code = tf.where(code == 0, 4, code)
-        final = lin_lib.linearize_as(solver.consumes, residual_fn, var_list, dtype)
-        cosine = _optimality(final)
+        matrix_free = solver.consumes == solvers_lib.MATRIX_FREE
+        final = linearize(solver.consumes if matrix_free else solvers_lib.JACOBIAN)
+        cosine = _optimality(held(final))
         # Not at round-off: the residuals' largest component along a column
         # of J, cosine * |r|, above sqrt(eps) (a zero-residual solution has
         # |r| at round-off, where its direction means nothing), and the cost
@@ -202,17 +280,49 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         far = ((code >= 2) & (code <= 3) & (cosine > STATIONARY_COSINE)
                & (along > tf.sqrt(tf.constant(eps, dtype)))
                & (final.cost > eps * start_cost))
-        return it, tf.where(far, 6, code), state.damping, final.cost, cosine
+        x = lin_lib.flatten(var_list, dtype)
+        fun = tf.cast(tf.reshape(residual_fn(), [-1]), dtype)
+        mask = (tf.zeros([num_params], tf.int32) if box is None
+                else box.active_mask(x))
+        return (it, tf.where(far, 6, code), state.damping, final.cost, cosine,
+                x, fun, final.jacobian, final.jtr, mask)
 
     if tf.executing_eagerly():
-        it, code, damping, cost, cosine = tf.function(
-            solve, jit_compile=jit_compile)()
+        out = tf.function(solve, jit_compile=jit_compile)()
     else:
-        it, code, damping, cost, cosine = solve()
+        out = solve()
+    it, code, damping, cost, cosine, x, fun, jac, grad, mask = out
     return LeastSquaresResult(cost=cost, iterations=it,
                               converged=(code >= 1) & (code <= 3),
                               reason_code=code, damping=damping,
-                              optimality=cosine)
+                              optimality=cosine, x=x, fun=fun, jac=jac, grad=grad,
+                              active_mask=mask,
+                              covariance=None if jac is None
+                              else covariance(jac, cost))
+
+
+def covariance(jac, cost):
+    """``curve_fit``'s ``pcov`` from the Jacobian and the cost at the
+    solution (outside XLA: one thin SVD of ``jac``, P x P)."""
+    dtype = jac.dtype
+    n = tf.cast(tf.shape(jac)[0], dtype)
+    p = tf.shape(jac)[1]
+    s, _, v = tf.linalg.svd(jac, full_matrices=False)
+    eps = tf.experimental.numpy.finfo(dtype.as_numpy_dtype).eps
+    kept = s > eps * tf.maximum(n, tf.cast(p, dtype)) * s[0]
+    inverse = tf.where(kept, 1.0 / tf.where(kept, s, tf.ones_like(s)) ** 2,
+                       tf.zeros_like(s))
+    pcov = tf.matmul(v * inverse[None, :], v, transpose_b=True)
+    dof = n - tf.cast(p, dtype)
+    return tf.where(dof > 0, pcov * (2.0 * cost / tf.where(dof > 0, dof, 1.0)),
+                    tf.fill([p, p], tf.constant(float("inf"), dtype)))
+
+
+def _x_scale(x_scale):
+    if isinstance(x_scale, str):
+        raise ValueError("least_squares: `x_scale` must be 'jac' or positive "
+                         f"numbers. Received: x_scale={x_scale!r}")
+    return damping_lib.XScale(x_scale)
 
 
 def _optimality(lin):

@@ -53,7 +53,7 @@ def init_state(controller, scaling, num_params, dtype):
 
 def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
                              scaling, solver, max_attempts, geodesic=None,
-                             support=None):
+                             support=None, bounds=None):
     """Runs one LM iteration from the linearisation ``lin``.
 
     Args:
@@ -70,6 +70,9 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
       support: optional `linearize.Support` the linearisation was taken over;
         the step moves only those parameters (pruned weights stay put) and
         the damping scale of the others is kept as it was.
+      bounds: optional `bounds.Bounds`: every attempted step is projected
+        onto the box before it is tried and measured (``lin`` should have
+        the parameters held on a bound frozen, `bounds.freeze`).
 
     Returns:
       ``(new_state, StepInfo)``.
@@ -78,6 +81,9 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
     if support is not None and geodesic is not None:
         raise ValueError("levenberg_marquardt_step: geodesic acceleration "
                          "over a support is not supported.")
+    if bounds is not None and support is not None:
+        raise ValueError("levenberg_marquardt_step: bounds over a support are "
+                         "not supported.")
     num_params = state.scale.shape[0]
     x0 = [tf.identity(v) for v in variables]
     # Matrix-free linearisations have no diag(J^T J): only Levenberg scaling,
@@ -108,6 +114,8 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
                                               solver, variables, x0)
             ok = ok & accel_ok
             step = tf.where(ok, step, tf.zeros_like(step))
+        if bounds is not None:
+            step = bounds.project(x_flat, step)
         full = lin_lib.to_full(step, support, num_params)
         for v, v0, d in zip(variables, x0, lin_lib.unflatten(full, variables)):
             v.assign(v0 + d)
