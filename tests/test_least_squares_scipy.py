@@ -37,6 +37,10 @@ def _decay_np(p):
 
 
 def _decay_fit(start, **kwargs):
+    """Compiled with XLA only where a test says so: the compiled loop is
+    the same graph (test_levenberg_marquardt.py runs both), and compiling
+    each small solve costs more than running it."""
+    kwargs.setdefault("jit_compile", False)
     v = tf.Variable(start, dtype=tf.float64)
     t, y = tf.constant(T), tf.constant(Y)
     result = tf_gradkit.least_squares(
@@ -57,7 +61,8 @@ def _rho(loss, z):
 @pytest.mark.parametrize("f_scale", [0.1, 1.0])
 def test_robust_loss_matches_scipy(loss, f_scale):
     start = [1.0, 0.1, 0.0]
-    v, result = _decay_fit(start, loss=loss, f_scale=f_scale)
+    v, result = _decay_fit(start, loss=loss, f_scale=f_scale,
+                           jit_compile=f_scale == 0.1)
     ref = so.least_squares(_decay_np, start, loss=loss, f_scale=f_scale, **TIGHT)
     assert bool(result.converged), result.reason
     # Both stop at round-off of a well-posed 3-parameter fit.
@@ -192,7 +197,7 @@ def test_x_scale_reaches_scipys_solution(x_scale):
     np.testing.assert_allclose(v.numpy(), ref.x, rtol=1e-7)
 
 
-@pytest.mark.parametrize("iterations", [1, 2, 5])
+@pytest.mark.parametrize("iterations", [1, 4])
 def test_x_scale_is_a_change_of_variables(iterations):
     """x_scale=s on x runs the same iterates as x_scale=1 on u = x / s (the
     trust region is a sphere in x / s), so the scales decide the steps."""
@@ -201,16 +206,18 @@ def test_x_scale_is_a_change_of_variables(iterations):
     t, y = tf.constant(T), tf.constant(Y)
     x = tf.Variable(start, dtype=tf.float64)
     tf_gradkit.least_squares(lambda: x[0] * tf.exp(-x[1] * t) + x[2] - y, [x],
-                             x_scale=scales, max_iterations=iterations)
+                             x_scale=scales, max_iterations=iterations,
+                             jit_compile=False)
     u = tf.Variable(start / scales, dtype=tf.float64)
     s = tf.constant(scales)
     tf_gradkit.least_squares(
         lambda: s[0] * u[0] * tf.exp(-s[1] * u[1] * t) + s[2] * u[2] - y, [u],
-        x_scale=1.0, max_iterations=iterations)
+        x_scale=1.0, max_iterations=iterations, jit_compile=False)
     np.testing.assert_allclose(x.numpy(), scales * u.numpy(), rtol=1e-9, atol=1e-12)
     plain = tf.Variable(start, dtype=tf.float64)
     tf_gradkit.least_squares(lambda: plain[0] * tf.exp(-plain[1] * t) + plain[2] - y,
-                             [plain], x_scale=1.0, max_iterations=iterations)
+                             [plain], x_scale=1.0, max_iterations=iterations,
+                             jit_compile=False)
     if iterations == 1:  # and they do change the step
         assert np.abs(plain.numpy() - x.numpy()).max() > 1e-3
 

@@ -13,6 +13,7 @@ from tf_gradkit.core.augmented_lagrangian import ConstraintSpec
 from tf_gradkit.core.augmented_lagrangian import Equality
 from tf_gradkit.core.augmented_lagrangian import Inequality
 from tf_gradkit.core.conditional_accumulator import ConditionalAccumulator
+from tf_gradkit.core.lm.implicit import solve_least_squares
 from tf_gradkit.core.lm.least_squares import LeastSquaresResult, least_squares
 
 __version__ = "0.1.0"
@@ -26,6 +27,7 @@ __all__ = [
     "Inequality",
     "LeastSquaresResult",
     "least_squares",
+    "solve_least_squares",
     "constraints",
     "core",
     "distribute",

@@ -2,6 +2,7 @@
 
 from tf_gradkit.core.lm.damping import (Levenberg, Marquardt, MultiplyDivide, Nielsen,
                                         TrustRegion)
+from tf_gradkit.core.lm.implicit import solve_least_squares
 from tf_gradkit.core.lm.least_squares import LeastSquaresResult, least_squares
 from tf_gradkit.core.lm.linear_solvers import QR, Cholesky, NormalEquationsDual
 from tf_gradkit.core.lm.step import LMState, StepInfo, levenberg_marquardt_step
@@ -10,5 +11,5 @@ __all__ = [
     "Cholesky", "LMState", "LeastSquaresResult", "Levenberg", "Marquardt",
     "MultiplyDivide", "Nielsen", "NormalEquationsDual", "QR", "StepInfo",
     "TrustRegion",
-    "least_squares", "levenberg_marquardt_step",
+    "least_squares", "levenberg_marquardt_step", "solve_least_squares",
 ]
