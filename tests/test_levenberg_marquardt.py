@@ -294,10 +294,42 @@ def test_wrong_use_raises_with_how_to(K, gk):
     ({"chunk_size": -3}, "`chunk_size` must be None or an integer >= 1"),
     ({"solver": "lu"}, "`solver` must be one of"),
     ({"model": "net"}, "`model` must be a"),
+    ({"initial_damping": 0.0}, "`initial_damping` must be a positive number"),
+    ({"initial_damping": "1e-2"}, "`initial_damping` must be a positive number"),
+    ({"initial_damping": 1e-2, "controller": "trust_region"}, "has none"),
+    ({"initial_damping": 1e20}, "between the controller's floor"),
 ])
 def test_bad_constructor_arguments(gk, kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         gk.LevenbergMarquardt(**kwargs)
+
+
+@pytest.mark.parametrize("controller", ["nielsen", "multiply_divide"])
+def test_initial_damping_without_importing_the_core(gk, controller):
+    """`initial_damping=` is the controller's `initial`: the same steps as
+    passing the controller object, saved with it; a passed object is not
+    changed."""
+    x = tf.constant(np.linspace(-1.0, 1.0, 30))
+    y = tf.sin(2.0 * x)
+
+    def run(opt):
+        w = tf.Variable([0.5, 0.5], dtype=tf.float64)
+        for _ in range(3):
+            opt.minimize(lambda: w[0] * tf.sin(w[1] * x) - y, [w])
+        return w.numpy(), float(opt.damping)
+
+    by_name = gk.LevenbergMarquardt(controller=controller, initial_damping=0.7)
+    part = damping_lib.CONTROLLERS[controller](initial=0.7)
+    by_object = gk.LevenbergMarquardt(controller=part)
+    np.testing.assert_array_equal(run(by_name)[0], run(by_object)[0])
+    assert run(gk.LevenbergMarquardt(controller=controller))[0].tolist() != \
+        run(by_name)[0].tolist()
+    assert by_name.get_config()["controller"]["config"]["initial"] == 0.7
+    clone = gk.LevenbergMarquardt.from_config(by_name.get_config())
+    assert clone.get_config() == by_name.get_config()
+    shared = damping_lib.Nielsen(initial=1e-3)
+    gk.LevenbergMarquardt(controller=shared, initial_damping=0.7)
+    assert shared.initial == 1e-3
 
 
 def test_get_config_round_trip(gk):

@@ -48,6 +48,32 @@ def validate_lm_arguments(max_attempts, chunk_size):
                          f"integer >= 1. Received: chunk_size={chunk_size!r}")
 
 
+def with_initial_damping(controller, initial_damping):
+    """``controller`` rebuilt with its first lambda set (a new object: a
+    controller the user passed is not changed)."""
+    if initial_damping is None:
+        return controller
+    if isinstance(initial_damping, bool) or not isinstance(
+            initial_damping, (int, float)) or not initial_damping > 0:
+        raise ValueError("LevenbergMarquardt: `initial_damping` must be a positive "
+                         f"number. Received: initial_damping={initial_damping!r}")
+    config = controller.get_config() if hasattr(controller, "get_config") else {}
+    if "initial" not in config:
+        raise ValueError(
+            "LevenbergMarquardt: `initial_damping` sets the first lambda of a "
+            "gain-ratio controller ('nielsen', 'multiply_divide'); controller="
+            f"{parts_lib.part_name(controller)!r} has none (the trust region "
+            "sets lambda from its radius: set its `factor` instead).")
+    config["initial"] = float(initial_damping)
+    if config["initial"] < config.get("floor", 0.0) or \
+            config["initial"] > config.get("ceiling", float("inf")):
+        raise ValueError(
+            "LevenbergMarquardt: `initial_damping` must lie between the "
+            f"controller's floor {config.get('floor')} and ceiling "
+            f"{config.get('ceiling')}. Received: initial_damping={initial_damping!r}")
+    return type(controller)(**config)
+
+
 def check_parts(scaling, solver):
     """A matrix-free solver has no diag(J^T J) for a scaling that needs it."""
     parts_lib.check_parts(scaling, solver, "LevenbergMarquardt")
@@ -106,6 +132,10 @@ class LevenbergMarquardt:
       chunk_size: rows of the Jacobian formed at a time under ``fit`` (memory
         ``chunk_size * P + P^2`` whatever the batch); None forms it whole.
       name: optional name.
+      initial_damping: the first lambda (default: the controller's, 1e-3),
+        for a controller that has one ("nielsen", "multiply_divide"); the
+        trust region sets lambda from its radius and refuses it. Saved as
+        part of ``controller``.
 
     Example:
 
@@ -121,18 +151,18 @@ class LevenbergMarquardt:
 
     def __init__(self, model=None, controller="nielsen", scaling="marquardt",
                  solver="cholesky", max_attempts=10, chunk_size=None, name=None,
-                 **kwargs):
+                 initial_damping=None, **kwargs):
         self._check_backend()
         if kwargs:
             raise unexpected_arguments(
                 "LevenbergMarquardt", kwargs, "model, controller, scaling, solver, "
-                "max_attempts, chunk_size, name", advice="")
+                "max_attempts, chunk_size, name, initial_damping", advice="")
         if model is not None:
             _model_hooks.check_model(self, model)
         validate_lm_arguments(max_attempts, chunk_size)
         self._init_base(name or "levenberg_marquardt")
-        self.controller = parts_lib.resolve_part(
-            controller, damping_lib.CONTROLLERS, "controller")
+        self.controller = with_initial_damping(parts_lib.resolve_part(
+            controller, damping_lib.CONTROLLERS, "controller"), initial_damping)
         self.scaling = parts_lib.resolve_part(scaling, damping_lib.SCALINGS,
                                               "scaling")
         self.solver = parts_lib.resolve_part(solver, solvers_lib.SOLVERS, "solver")
