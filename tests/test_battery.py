@@ -40,6 +40,8 @@ OPTIMIZERS = {
     "levenberg-marquardt-qr-classic": lambda K, gk, model: gk.LevenbergMarquardt(
         model, controller="multiply_divide", scaling="levenberg", solver="qr"),
     "conditional-gradient-fro": lambda K, gk, model: gk.ConditionalGradient(0.1, lambda_=2.0),
+    "levenberg-marquardt-trust-region": lambda K, gk, model: gk.LevenbergMarquardt(
+        model, controller="trust_region"),
 }
 
 NAMES = sorted(OPTIMIZERS)

@@ -134,9 +134,10 @@ def test_lm_reduces_its_normal_equations_once_per_step(runs, mode):
     p = int(runs[0][f"{name}/params"])
     steps = int(runs[0][f"{name}/iterations"])
     _, elements, _, big_calls, big_elements = (int(v) for v in runs[0][f"{name}/reduce"])
-    # J^T J (p^2 elements), J^T r (p) and the cost (1), packed into one
-    # all-reduce per step; everything else is small (each attempt's trial
-    # cost, the logs).
+    # J^T J (p^2 elements), J^T r (p), the cost and the example count (the
+    # mini-batch guard's), packed into one all-reduce per step; everything
+    # else is small (each attempt's trial cost, the guard's cost at the
+    # previous weights, the logs).
     assert big_calls == steps == 1
-    assert p * p + p <= big_elements <= p * p + p + 1
+    assert p * p + p <= big_elements <= p * p + p + 2
     assert elements - big_elements < p

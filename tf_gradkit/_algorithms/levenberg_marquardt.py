@@ -8,6 +8,8 @@ and ``steps_per_execution``); custom code calls ``minimize(residual_fn,
 var_list)``. Plain ``apply_gradients`` raises, saying how to use it.
 """
 
+from typing import NamedTuple
+
 import tensorflow as tf
 
 from tf_gradkit import _model_hooks
@@ -35,6 +37,21 @@ CUSTOM_TRAIN_STEP = (
     "your train_step and call `optimizer.minimize(residual_fn, "
     "model.trainable_variables)` inside it (LevenbergMarquardt() without "
     "model=).")
+
+
+# The mini-batch guard restrains the damping when a step kept less than this
+# share of its own batch's decrease (per example) on the next batch. On the
+# diabetes benchmark 0.25, 0.5 and 0.75 ended within each other's seed noise
+# (benchmarks/lm_minibatch.py); a quarter is Moré's "poor step" ratio.
+GUARD_CARRIED = 0.25
+
+
+class _Restraint(NamedTuple):
+    """The mini-batch guard's verdict: the damping state to step from and
+    whether it was restrained."""
+
+    control: damping_lib.DampingState
+    fired: tf.Tensor
 
 
 def validate_lm_arguments(max_attempts, chunk_size):
@@ -132,6 +149,15 @@ class LevenbergMarquardt:
       chunk_size: rows of the Jacobian formed at a time under ``fit`` (memory
         ``chunk_size * P + P^2`` whatever the batch); None forms it whole.
       name: optional name.
+      minibatch_guard: before each step, measure how much of the last
+        step's decrease carried over to this batch (one forward pass at the
+        previous weights); when under a quarter of it did, the last step fit
+        its batch rather than the data, and the damping grows (doubles; the
+        trust region halves its radius) before stepping. Keeps mini-batch LM
+        from driving lambda to its floor and jumping between batches
+        (docs/levenberg_marquardt.md, "Full batch or mini-batches"). On a full
+        batch the same data come back, all of the decrease carries over and
+        nothing changes. False: the plain iteration.
       initial_damping: the first lambda (default: the controller's, 1e-3),
         for a controller that has one ("nielsen", "multiply_divide"); the
         trust region sets lambda from its radius and refuses it. Saved as
@@ -151,12 +177,16 @@ class LevenbergMarquardt:
 
     def __init__(self, model=None, controller="nielsen", scaling="marquardt",
                  solver="cholesky", max_attempts=10, chunk_size=None, name=None,
-                 initial_damping=None, **kwargs):
+                 initial_damping=None, minibatch_guard=True, **kwargs):
         self._check_backend()
         if kwargs:
             raise unexpected_arguments(
                 "LevenbergMarquardt", kwargs, "model, controller, scaling, solver, "
-                "max_attempts, chunk_size, name, initial_damping", advice="")
+                "max_attempts, chunk_size, name, initial_damping, minibatch_guard",
+                advice="")
+        if not isinstance(minibatch_guard, bool):
+            raise ValueError("LevenbergMarquardt: `minibatch_guard` must be True or "
+                             f"False. Received: minibatch_guard={minibatch_guard!r}")
         if model is not None:
             _model_hooks.check_model(self, model)
         validate_lm_arguments(max_attempts, chunk_size)
@@ -169,6 +199,7 @@ class LevenbergMarquardt:
         check_parts(self.scaling, self.solver)
         self.max_attempts = max_attempts
         self.chunk_size = chunk_size
+        self.minibatch_guard = minibatch_guard
         self._lm_vars = None
         self.masks = None
         if model is not None:
@@ -216,6 +247,10 @@ class LevenbergMarquardt:
         # int64: TensorFlow keeps int32 variables in host memory on a GPU,
         # where a compiled step cannot reach them.
         self._last_attempts = self._new_variable((), tf.int64, "attempts", 0)
+        # The mini-batch guard's memory: the weights before the last accepted
+        # step and that step's decrease per example on its batch (0: none).
+        self._previous_x = self._new_variable((num_params,), dtype, "previous_x", 0.0)
+        self._previous_gain = self._new_variable((), dtype, "previous_gain", 0.0)
         self._lm_var_list = var_list
 
     @staticmethod
@@ -275,19 +310,59 @@ class LevenbergMarquardt:
         if ctx is not None and tf.distribute.get_strategy().num_replicas_in_sync > 1:
             # Each replica's residuals are its share of the problem: J^T J
             # and J^T r are summed over replicas and all take one step.
-            return self._distributed_iterate(ctx, lin, local_cost, (), tf_vars)[1]
+            return self._distributed_iterate(ctx, lin, local_cost, (), tf_vars,
+                                             tf.constant(1.0, dtype))[1]
         return self._iterate(lin, local_cost, tf_vars)[1].new_cost
 
-    def _iterate(self, lin, cost_fn, tf_vars):
+    def _iterate(self, lin, cost_fn, tf_vars, size=None):
+        """One LM iteration; ``size``: the examples behind ``lin`` (the
+        guard compares decreases per example), None for 1."""
+        state = self._read_state()
+        dtype = state.damping.dtype
+        size = tf.constant(1.0, dtype) if size is None else tf.cast(size, dtype)
+        x_now = lin_lib.flatten(tf_vars, dtype)
+        if self.minibatch_guard:
+            restrained = self._guard(state.control, lin.cost, cost_fn, tf_vars,
+                                     x_now, size)
+            state = state._replace(control=restrained.control)
         state, info = step_lib.levenberg_marquardt_step(
-            lin, cost_fn, tf_vars, self._read_state(), controller=self.controller,
+            lin, cost_fn, tf_vars, state, controller=self.controller,
             scaling=self.scaling, solver=self.solver,
             max_attempts=self.max_attempts,
             support=getattr(self, "_step_support", None))
         self._write_state(state, info)
+        if self.minibatch_guard:
+            self._previous_x.assign(x_now)
+            self._previous_gain.assign(tf.where(
+                info.accepted, (info.cost - info.new_cost) / size,
+                tf.zeros_like(info.cost)))
         return state, info
 
-    # ------------------------------------------------------------ pruning
+    def _guard(self, control, cost_now, cost_fn, tf_vars, x_now, size):
+        """The damping restrained when under `GUARD_CARRIED` of the last
+        step's decrease per example carried over to this batch
+        (`minibatch_guard`): one evaluation of this batch's cost at the
+        weights before that step. Returns `_Restraint`."""
+        gain = self._previous_gain.read_value()
+
+        def cost_before_last_step():
+            for v, value in zip(tf_vars, lin_lib.unflatten(
+                    self._previous_x.read_value(), tf_vars)):
+                v.assign(value)
+            cost = tf.cast(cost_fn(), gain.dtype)
+            with tf.control_dependencies([cost]):
+                for v, value in zip(tf_vars, lin_lib.unflatten(x_now, tf_vars)):
+                    v.assign(value)
+            return tf.identity(cost)
+
+        before = tf.cond(gain > 0, cost_before_last_step, lambda: cost_now)
+        carried = (before - cost_now) / size
+        fired = (gain > 0) & ~(carried >= GUARD_CARRIED * gain)
+        control = tf.nest.map_structure(
+            lambda r, c: tf.where(fired, r, c), self.controller.restrain(control),
+            control)
+        return _Restraint(control, fired)
+
     def _support(self, variables, tf_vars):
         """The parameters to solve for, when `pruning.MaskAware` handed this
         optimizer its masks (``self.masks``): only the unpruned weights.
@@ -394,28 +469,32 @@ class LevenbergMarquardt:
         and summed, so every replica takes the identical step.
         """
         ctx = tf.distribute.get_replica_context()
+        size = tf.shape(tf.nest.flatten(x)[0])[0]
         if ctx is not None and tf.distribute.get_strategy().num_replicas_in_sync > 1:
             attempts = self._distributed_iterate(ctx, lin, local_cost,
-                                                 (x, y, sample_weight), tf_vars)[0]
+                                                 (x, y, sample_weight), tf_vars,
+                                                 size)[0]
         else:
             _, info = self._iterate(lin, lambda: local_cost(x, y, sample_weight),
-                                    tf_vars)
+                                    tf_vars, size)
             attempts = info.attempts
         logs = dict(self._report(model, x, y, y_pred, sample_weight))
         logs["damping"] = self._lm_vars.control.damping.read_value()
         logs["attempts"] = attempts
         return logs
 
-    def _distributed_iterate(self, ctx, lin, local_cost, args, tf_vars):
+    def _distributed_iterate(self, ctx, lin, local_cost, args, tf_vars, size):
         """The iteration of the whole problem from each replica's share:
-        ``local_cost(*args)`` is this replica's cost at the current weights.
-        Returns ``(attempts, cost after the step)``, the same on every replica."""
+        ``local_cost(*args)`` is this replica's cost at the current weights,
+        ``size`` its examples. Returns ``(attempts, cost after the step)``,
+        the same on every replica."""
         require_normal_equations(
             self.solver, "under tf.distribute it sums J^T J across replicas")
-        jtj, jtr, cost = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                                        [lin.jtj, lin.jtr, lin.cost])
+        jtj, jtr, cost, size = ctx.all_reduce(
+            tf.distribute.ReduceOp.SUM,
+            [lin.jtj, lin.jtr, lin.cost, tf.cast(size, lin.cost.dtype)])
 
-        def cross_replica(distribution, jtj, jtr, cost, *args):
+        def cross_replica(distribution, jtj, jtr, cost, size, *args):
             def first(value):
                 return distribution.experimental_local_results(value)[0]
 
@@ -428,10 +507,11 @@ class LevenbergMarquardt:
                 return distribution.reduce(tf.distribute.ReduceOp.SUM,
                                            per_replica, axis=None)
 
-            _, info = self._iterate(total, cost_fn, tf_vars)
+            _, info = self._iterate(total, cost_fn, tf_vars, first(size))
             return info.attempts, info.new_cost
 
-        return ctx.merge_call(cross_replica, args=(jtj, jtr, cost) + tuple(args))
+        return ctx.merge_call(cross_replica,
+                              args=(jtj, jtr, cost, size) + tuple(args))
 
     def _chunked(self, residuals, x, y, sample_weight, batch, tf_vars, dtype):
         require_normal_equations(
@@ -470,6 +550,7 @@ class LevenbergMarquardt:
             "solver": parts_lib.serialize_part(self.solver),
             "max_attempts": self.max_attempts,
             "chunk_size": self.chunk_size,
+            "minibatch_guard": self.minibatch_guard,
             # Keras's loader binds it to the loaded model again (`attach`).
             "bound_to_model": getattr(self, "_bound", False),
         }

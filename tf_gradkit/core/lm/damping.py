@@ -75,6 +75,12 @@ class _Controller:
         return tf.clip_by_value(damping, tf.cast(self.floor, damping.dtype),
                                 tf.cast(self.ceiling, damping.dtype))
 
+    def restrain(self, state):
+        """More damping for the next step (the last one did not carry over
+        to fresh data, see ``LevenbergMarquardt``'s mini-batch guard):
+        lambda doubles, within the ceiling."""
+        return DampingState(self._clip(2.0 * state.damping), state.nu)
+
     def get_config(self):
         return {"initial": self.initial, "floor": self.floor,
                 "ceiling": self.ceiling}
@@ -243,6 +249,12 @@ class TrustRegion:
 
     def accept(self, state, rho, trial=None):
         return self._update(state, trial, rho)
+
+    @staticmethod
+    def restrain(state):
+        """A smaller step next time: the radius halves (if set)."""
+        return DampingState(state.damping, tf.where(state.nu > 0, 0.5 * state.nu,
+                                                    state.nu))
 
     def reject(self, state, trial=None):
         return self._update(state, trial, tf.zeros_like(state.nu))
