@@ -43,6 +43,7 @@ test: test-keras3 test-tf-keras
 	$(PY) examples/pruning_keras3.py
 	$(PY) examples/multiworker_fit.py
 	$(PY) examples/parameter_server.py
+	$(PY) examples/pinn_poisson.py
 
 # On a GPU machine: the battery, the equivalence, precision and GPU tests and
 # every MirroredStrategy test (over two logical GPUs, NCCL all-reduce), per
