@@ -124,7 +124,8 @@ class LevenbergMarquardt:
     Use it with its model: ``model.compile(optimizer=LevenbergMarquardt(model),
     loss="mse")``; the optimizer then takes over that model's train step
     (residuals ``sqrt(w) * (y_pred - y)``, so sample weights count as in the
-    loss) and the progress bar shows ``damping`` and ``attempts``. In custom
+    loss; ``"huber"`` and ``"mae"`` train as robust residuals, cross-entropies
+    by a generalised Gauss-Newton step) and the progress bar shows ``damping`` and ``attempts``. In custom
     code, ``loss = optimizer.minimize(residual_fn, var_list)`` runs one
     iteration; for a whole solve see ``tf_gradkit.least_squares``.
 
@@ -393,10 +394,13 @@ class LevenbergMarquardt:
     def _fit_step(self, model, data):
         loss = getattr(model, "loss", None)
         loss_name = lm_losses.loss_name(loss)
-        if loss_name not in lm_losses.MSE_NAMES and loss_name not in lm_losses.CROSS_ENTROPY:
+        robust = lm_losses.robust_loss(loss)
+        if loss_name not in lm_losses.MSE_NAMES and loss_name not in \
+                lm_losses.CROSS_ENTROPY and robust is None:
             raise ValueError(
                 "LevenbergMarquardt: the model must be compiled with a mean "
-                f"squared error loss (one of {lm_losses.MSE_NAMES}) or a cross-entropy "
+                f"squared error loss (one of {lm_losses.MSE_NAMES}), a robust one "
+                f"(one of {sorted(lm_losses.ROBUST)}) or a cross-entropy "
                 f"(one of {sorted(lm_losses.CROSS_ENTROPY)}). Received: loss={loss!r}")
         x, y, sample_weight = self._unpack(data)
         # The forward pass first: it builds a model that was not built yet.
@@ -417,7 +421,16 @@ class LevenbergMarquardt:
 
         def residuals(xb, yb, wb):
             y_pred = model(xb, training=True)
-            return lm_losses.mse_residuals(y_pred, yb, wb, dtype, loss_weights)
+            if robust is None:
+                return lm_losses.mse_residuals(y_pred, yb, wb, dtype, loss_weights)
+            # Huber, MAE: the robust loss's step residuals (core/lm/robust.py).
+            return robust.scale(*lm_losses.weighted_errors(y_pred, yb, wb, dtype,
+                                                           loss_weights))
+
+        def robust_cost(xb, yb, wb):
+            """The batch's sum of the robust loss: batch * the compiled loss."""
+            return robust.cost(*lm_losses.weighted_errors(
+                model(xb, training=True), yb, wb, dtype, loss_weights))
 
         batch = tf.shape(tf.nest.flatten(x)[0])[0]
         if loss_name in lm_losses.CROSS_ENTROPY:
@@ -429,6 +442,11 @@ class LevenbergMarquardt:
                                 tf_vars, dtype, support)
         else:
             lin = self._chunked(residuals, x, y, sample_weight, batch, tf_vars, dtype)
+        if robust is not None:
+            return self._step_and_report(
+                model, x, y, sample_weight, y_pred,
+                lin._replace(cost=robust_cost(x, y, sample_weight)), robust_cost,
+                tf_vars)
         return self._step_and_report(
             model, x, y, sample_weight, y_pred, lin,
             lambda xb, yb, wb: lm_losses.half_sum_sq(residuals(xb, yb, wb), dtype), tf_vars)

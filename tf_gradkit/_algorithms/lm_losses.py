@@ -5,6 +5,8 @@ residuals of a (multi-output, weighted) mean squared error are formed so that
 
 import tensorflow as tf
 
+from tf_gradkit.core.lm.robust import RobustLoss
+
 MSE_NAMES = ("mse", "mean_squared_error", "MeanSquaredError")
 # Cross-entropies handled through the generalised Gauss-Newton matrix.
 CROSS_ENTROPY = {
@@ -15,6 +17,31 @@ CROSS_ENTROPY = {
     "binary_crossentropy": "binary",
     "BinaryCrossentropy": "binary",
 }
+
+# Robust losses, as residuals: Keras's Huber(delta) per element is scipy's
+# huber with f_scale = delta (0.5 C^2 rho((e/C)^2)); the mean absolute error
+# is the "absolute" loss with C = 1 (|e|), stepped by reweighted least squares.
+ROBUST = {"huber": "huber", "Huber": "huber", "huber_loss": "huber",
+          "mae": "absolute", "mean_absolute_error": "absolute",
+          "MeanAbsoluteError": "absolute"}
+
+
+def robust_loss(loss):
+    """The `RobustLoss` a compiled Huber or MAE loss is, else None."""
+    kind = ROBUST.get(loss_name(loss))
+    if kind is None:
+        return None
+    return RobustLoss(kind, _delta(loss) if kind == "huber" else 1.0)
+
+
+def _delta(loss):
+    if isinstance(loss, (list, tuple)):
+        loss = loss[0]
+    if isinstance(loss, dict):
+        loss = next(iter(loss.values()))
+    kwargs = getattr(loss, "_fn_kwargs", None) or getattr(loss, "fn_kwargs", None) or {}
+    return float(kwargs.get("delta", getattr(loss, "delta", 1.0)))
+
 
 def from_logits(loss):
     """Reads ``from_logits`` from a Keras 3 or tf_keras loss object."""
@@ -51,6 +78,14 @@ def mse_residuals(y_pred, y, sample_weight, dtype, loss_weights=None):
     so sample weights and ``loss_weights`` count exactly as in Keras's loss
     (``sum_k lw_k * mean(w * (y_pred - y)^2)``), as square roots.
     """
+    errors, weights = weighted_errors(y_pred, y, sample_weight, dtype, loss_weights)
+    return errors * tf.sqrt(weights)
+
+
+def weighted_errors(y_pred, y, sample_weight, dtype, loss_weights=None):
+    """Flat errors ``y_pred - y`` over every output and element, and each
+    one's weight in Keras's summed loss, ``lw_k * w / d_k``: the compiled
+    loss times the batch is ``sum(weight * loss_k(error))``."""
     preds, trues = tf.nest.flatten(y_pred), tf.nest.flatten(y)
     if len(trues) != len(preds):
         raise ValueError(
@@ -62,17 +97,19 @@ def mse_residuals(y_pred, y, sample_weight, dtype, loss_weights=None):
         sample_weight)
     if len(sws) == 1 and len(preds) > 1:
         sws = sws * len(preds)
-    parts = []
+    errors, weights = [], []
     for yp, yt, weight, sample_weight in zip(preds, trues, lw, sws):
         diff = tf.cast(yp, dtype) - tf.cast(tf.reshape(yt, tf.shape(yp)), dtype)
         diff = tf.reshape(diff, [tf.shape(diff)[0], -1])
         width = tf.cast(tf.shape(diff)[1], dtype)
-        diff = diff * tf.sqrt(tf.cast(weight, dtype) / width)
+        each = tf.ones_like(diff) * (tf.cast(weight, dtype) / width)
         if sample_weight is not None:
-            w = tf.reshape(tf.cast(sample_weight, dtype), [-1, 1])
-            diff = diff * tf.sqrt(w)
-        parts.append(tf.reshape(diff, [-1]))
-    return tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
+            each = each * tf.reshape(tf.cast(sample_weight, dtype), [-1, 1])
+        errors.append(tf.reshape(diff, [-1]))
+        weights.append(tf.reshape(each, [-1]))
+    if len(errors) == 1:
+        return errors[0], weights[0]
+    return tf.concat(errors, axis=0), tf.concat(weights, axis=0)
 
 
 def _flat_loss_weights(y_pred, loss_weights, count):

@@ -128,7 +128,8 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         leave the box (a projected step with an active set, `bounds.py`);
         the start must lie inside it.
       loss: "linear" (default), "soft_l1", "huber", "cauchy" or "arctan":
-        scipy's robust losses; the cost is ``0.5 * f_scale^2 *
+        scipy's robust losses, or "absolute" (``f_scale * sum |r|``, by
+        reweighted least squares); the cost is ``0.5 * f_scale^2 *
         sum(rho((r / f_scale)^2))`` (`robust.py`).
       f_scale: the residual size where a robust loss stops being quadratic.
       x_scale: scipy's ``x_scale``: "jac" (the Jacobian's column norms,

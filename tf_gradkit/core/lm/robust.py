@@ -7,7 +7,10 @@ residuals and ``C`` the ``f_scale`` (scipy.optimize.least_squares):
 - ``soft_l1``: ``rho(z) = 2 ((1 + z)^0.5 - 1)``;
 - ``huber``:   ``rho(z) = z`` if ``z <= 1`` else ``2 z^0.5 - 1``;
 - ``cauchy``:  ``rho(z) = ln(1 + z)``;
-- ``arctan``:  ``rho(z) = arctan(z)``.
+- ``arctan``:  ``rho(z) = arctan(z)``;
+- ``absolute`` (not scipy's): ``rho(z) = 2 z^0.5``, so the cost is
+  ``C * sum |f|`` (a mean absolute error), stepped by iteratively
+  reweighted least squares (`FIRST_ORDER`).
 
 Each Gauss-Newton step uses scipy's (and Triggs et al.'s) rescaling: with
 ``s = sqrt(max(rho'(z) + 2 z rho''(z), eps))`` the step is taken for the
@@ -47,8 +50,19 @@ def _arctan(z):
     return tf.atan(z), 1.0 / t, -2.0 * z / tf.square(t)
 
 
+def _absolute(z):
+    root = tf.sqrt(z)
+    return 2.0 * root, 1.0 / root, -0.5 / (z * root)
+
+
 LOSSES = {"linear": _linear, "soft_l1": _soft_l1, "huber": _huber,
-          "cauchy": _cauchy, "arctan": _arctan}
+          "cauchy": _cauchy, "arctan": _arctan, "absolute": _absolute}
+# Losses whose rho' + 2 z rho'' vanishes: their Gauss-Newton weight is rho'
+# alone (iteratively reweighted least squares), with z kept at or above
+# (1e-3 times the batch's mean |f| / C)^2 so that a residual near 0 does not
+# get an unbounded weight.
+FIRST_ORDER = ("absolute",)
+FIRST_ORDER_FLOOR = 1e-3
 
 
 class RobustLoss:
@@ -75,29 +89,45 @@ class RobustLoss:
     def is_linear(self):
         return self.name == "linear"
 
-    def cost(self, f):
-        """``0.5 * C^2 * sum(rho((f / C)^2))`` of flat residuals ``f``."""
+    def cost(self, f, weights=None):
+        """``0.5 * C^2 * sum(weights * rho((f / C)^2))`` of flat residuals."""
         c = tf.constant(self.f_scale, f.dtype)
         rho, _, _ = self._rho(tf.square(f / c))
+        if weights is not None:
+            rho = weights * rho
         return 0.5 * c * c * tf.reduce_sum(rho)
 
     def weights(self, f):
         """``(residual factor, Jacobian factor)`` per residual, as constants."""
         c = tf.constant(self.f_scale, f.dtype)
         z = tf.square(f / c)
-        _, d1, d2 = self._rho(z)
         eps = tf.constant(tf.experimental.numpy.finfo(f.dtype.as_numpy_dtype).eps,
                           f.dtype)
-        jacobian_factor = tf.sqrt(tf.maximum(d1 + 2.0 * z * d2, eps))
+        if self.name in FIRST_ORDER:
+            floor = FIRST_ORDER_FLOOR * tf.reduce_mean(tf.abs(f)) / c
+            z = tf.maximum(z, tf.maximum(tf.square(floor), eps))
+            _, d1, _ = self._rho(z)
+            jacobian_factor = tf.sqrt(d1)
+        else:
+            _, d1, d2 = self._rho(z)
+            jacobian_factor = tf.sqrt(tf.maximum(d1 + 2.0 * z * d2, eps))
         return tf.stop_gradient(d1 / jacobian_factor), tf.stop_gradient(jacobian_factor)
+
+    def scale(self, f, weights=None):
+        """Step residuals from residuals ``f`` (flat, differentiable): the
+        value ``sqrt(weights) rho'(z) f / s``, the Jacobian ``sqrt(weights) s J``
+        (``s`` held constant)."""
+        f_factor, j_factor = self.weights(tf.stop_gradient(f))
+        if weights is not None:
+            root = tf.sqrt(tf.stop_gradient(weights))
+            f_factor, j_factor = root * f_factor, root * j_factor
+        return j_factor * f + tf.stop_gradient((f_factor - j_factor) * f)
 
     def scaled(self, residual_fn, dtype):
         """A residual function with value ``rho'(z) f / s`` and Jacobian
         ``s J`` (``s`` held constant), flat, in ``dtype``."""
 
         def fn():
-            f = tf.cast(tf.reshape(residual_fn(), [-1]), dtype)
-            f_factor, j_factor = self.weights(tf.stop_gradient(f))
-            return j_factor * f + tf.stop_gradient((f_factor - j_factor) * f)
+            return self.scale(tf.cast(tf.reshape(residual_fn(), [-1]), dtype))
 
         return fn
