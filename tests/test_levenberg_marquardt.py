@@ -284,7 +284,7 @@ def test_wrong_use_raises_with_how_to(K, gk):
     with pytest.raises(ValueError, match="zero-argument callable"):
         opt.minimize(tf.constant(1.0), [tf.Variable(1.0)])
     other = mlp(K)
-    other.compile(optimizer=gk.LevenbergMarquardt(other), loss="mae")
+    other.compile(optimizer=gk.LevenbergMarquardt(other), loss="msle")
     with pytest.raises(ValueError, match="mean squared error"):
         other.fit(x, y, epochs=1, verbose=0)
 
