@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 import tf_gradkit
-from conftest import compile_fn
+from conftest import compile_fn, keras_module
 from helpers import MATMUL_UNIT, max_abs_diff, mlp, regression_data, weights_of
 from tf_gradkit.core.lm import damping as damping_lib
 from tf_gradkit.core.lm import linearize as lin_lib
@@ -723,3 +723,74 @@ def test_huber_delta_is_read_from_the_loss(K):
     assert lm_losses.robust_loss("huber").f_scale == 1.0
     assert lm_losses.robust_loss("mae").name == "absolute"
     assert lm_losses.robust_loss("mse") is None
+
+
+# -- residuals of your own under fit ---------------------------------------------
+
+@keras_module().saving.register_keras_serializable(package="tests")
+def scaled_residuals(model, x, y, sample_weight):
+    """A residual function registered with Keras: saved by name."""
+    del sample_weight
+    return 2.0 * (model(x, training=True) - y)
+
+
+def _sine():
+    x = np.linspace(-1, 1, 200, dtype="float32")[:, None]
+    return x, np.sin(3 * x).astype("float32")
+
+
+def _small_net(K):
+    K.utils.set_random_seed(0)
+    return K.Sequential([K.Input((1,)), K.layers.Dense(8, activation="tanh"),
+                         K.layers.Dense(1)])
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_own_residuals_equal_the_compiled_mse(K, gk, mode):
+    """residuals = y_pred - y is what LM forms for a one-output MSE: the same
+    steps, exactly; the compiled loss is only reported."""
+    x, y = _sine()
+    weights = []
+    for residuals in (None, lambda model, x, y, w: model(x, training=True) - y):
+        model = _small_net(K)
+        model.compile(optimizer=gk.LevenbergMarquardt(model, residuals=residuals),
+                      loss="mse", run_eagerly=mode == "eager",
+                      jit_compile=mode == "jit")
+        model.fit(x, y, batch_size=200, epochs=5, verbose=0)
+        weights.append([w.numpy() for w in model.trainable_variables])
+    assert max_abs_diff(weights[0], weights[1]) == 0
+
+
+def test_own_residuals_in_a_saved_model(K, gk, tmp_path):
+    """Saved by name and used again after loading; a lambda is not saved,
+    and the loaded optimizer refuses to train until it is set again."""
+    x, y = _sine()
+    for residuals, name in ((scaled_residuals, "named"),
+                            (lambda model, x, y, w: model(x) - y, "lambda")):
+        model = _small_net(K)
+        model.compile(optimizer=gk.LevenbergMarquardt(model, residuals=residuals),
+                      loss="mae")
+        model.fit(x, y, batch_size=200, epochs=2, verbose=0)
+        path = str(tmp_path / f"{name}.keras")
+        model.save(path)
+        loaded = K.models.load_model(path)
+        if name == "named":
+            assert loaded.optimizer.residuals is scaled_residuals
+            loaded.fit(x, y, batch_size=200, epochs=1, verbose=0)
+            model.fit(x, y, batch_size=200, epochs=1, verbose=0)
+            assert max_abs_diff([w.numpy() for w in loaded.trainable_variables],
+                                [w.numpy() for w in model.trainable_variables]) < 1e-6
+        else:
+            before = [w.numpy() for w in loaded.trainable_variables]
+            with pytest.raises(ValueError, match="optimizer.residuals = "):
+                loaded.fit(x, y, batch_size=200, epochs=1, verbose=0)
+            assert max_abs_diff(before, [w.numpy() for w in loaded.trainable_variables]) == 0
+            loaded.optimizer.residuals = residuals
+            loaded.fit(x, y, batch_size=200, epochs=1, verbose=0)
+
+
+def test_own_residuals_arguments_are_checked(gk):
+    with pytest.raises(ValueError, match="`residuals` must be None or a function"):
+        gk.LevenbergMarquardt(residuals="mse")
+    with pytest.raises(ValueError, match="use chunk_size=None with `residuals`"):
+        gk.LevenbergMarquardt(residuals=scaled_residuals, chunk_size=10)

@@ -60,3 +60,27 @@ def test_pinn_with_minimize_in_a_compiled_loop(K, gk, solver):
     for _ in range(100):
         step()
     assert _max_error(model) < 1e-4
+
+
+def _pde_residuals(model, x, y, sample_weight):
+    """A residual model for fit: the PDE at the batch's points, then the
+    boundary values (y and sample_weight unused)."""
+    del y, sample_weight
+    with tf.GradientTape() as outer:
+        outer.watch(x)
+        with tf.GradientTape() as inner:
+            inner.watch(x)
+            u = model(x)
+        du = inner.gradient(u, x)
+    d2u = outer.gradient(du, x)
+    pde = (d2u + PI ** 2 * tf.sin(PI * x)) / 8.0
+    return tf.concat([tf.reshape(pde, [-1]), tf.reshape(model(ENDS), [-1])], axis=0)
+
+
+def test_pinn_through_fit_with_a_residual_model(K, gk):
+    model = _network(K)
+    model.compile(optimizer=gk.LevenbergMarquardt(model, residuals=_pde_residuals),
+                  loss="mse", jit_compile=True)
+    x = X.numpy()
+    model.fit(x, np.zeros_like(x), batch_size=64, epochs=100, verbose=0)
+    assert _max_error(model) < 1e-4

@@ -46,6 +46,19 @@ CUSTOM_TRAIN_STEP = (
 GUARD_CARRIED = 0.25
 
 
+def _check_residuals(residuals, chunk_size):
+    if residuals is not None and not callable(residuals):
+        raise ValueError(
+            "LevenbergMarquardt: `residuals` must be None or a function "
+            "fn(model, x, y, sample_weight) -> residuals. Received: "
+            f"{type(residuals).__name__}")
+    if residuals is not None and chunk_size is not None:
+        raise ValueError(
+            "LevenbergMarquardt: `chunk_size` pads the last chunk with "
+            "zero-weight rows, which a residual function of your own may not "
+            "honour; use chunk_size=None with `residuals` (or smaller batches).")
+
+
 class _Restraint(NamedTuple):
     """The mini-batch guard's verdict: the damping state to step from and
     whether it was restrained."""
@@ -159,6 +172,16 @@ class LevenbergMarquardt:
         (docs/levenberg_marquardt.md, "Full batch or mini-batches"). On a full
         batch the same data come back, all of the decrease carries over and
         nothing changes. False: the plain iteration.
+      residuals: optional ``fn(model, x, y, sample_weight) -> residuals``
+        (any shape) for ``fit``: LM then minimises ``0.5 * sum(fn(...)**2)``
+        whatever the compiled loss (which is only reported): a loss of your
+        own written as residuals, or a residual model such as a physics-
+        informed network's (derivatives of ``model`` in ``x`` included).
+        Saved by name when registered with Keras
+        (``keras.saving.register_keras_serializable``, or passed to
+        ``load_model`` in ``custom_objects``); a lambda or closure is not
+        saved, and the loaded optimizer refuses to train until
+        ``optimizer.residuals = fn`` is set again.
       initial_damping: the first lambda (default: the controller's, 1e-3),
         for a controller that has one ("nielsen", "multiply_divide"); the
         trust region sets lambda from its radius and refuses it. Saved as
@@ -178,13 +201,15 @@ class LevenbergMarquardt:
 
     def __init__(self, model=None, controller="nielsen", scaling="marquardt",
                  solver="cholesky", max_attempts=10, chunk_size=None, name=None,
-                 initial_damping=None, minibatch_guard=True, **kwargs):
+                 initial_damping=None, minibatch_guard=True, residuals=None,
+                 **kwargs):
         self._check_backend()
         if kwargs:
             raise unexpected_arguments(
                 "LevenbergMarquardt", kwargs, "model, controller, scaling, solver, "
-                "max_attempts, chunk_size, name, initial_damping, minibatch_guard",
-                advice="")
+                "max_attempts, chunk_size, name, initial_damping, minibatch_guard, "
+                "residuals", advice="")
+        _check_residuals(residuals, chunk_size)
         if not isinstance(minibatch_guard, bool):
             raise ValueError("LevenbergMarquardt: `minibatch_guard` must be True or "
                              f"False. Received: minibatch_guard={minibatch_guard!r}")
@@ -201,6 +226,8 @@ class LevenbergMarquardt:
         self.max_attempts = max_attempts
         self.chunk_size = chunk_size
         self.minibatch_guard = minibatch_guard
+        self.residuals = residuals
+        self._residuals_unsaved = None  # the name of one lost in saving
         self._lm_vars = None
         self.masks = None
         if model is not None:
@@ -393,9 +420,20 @@ class LevenbergMarquardt:
 
     def _fit_step(self, model, data):
         loss = getattr(model, "loss", None)
-        loss_name = lm_losses.loss_name(loss)
-        robust = lm_losses.robust_loss(loss)
-        if loss_name not in lm_losses.MSE_NAMES and loss_name not in \
+        custom = self.residuals
+        if custom is None and self._residuals_unsaved:
+            raise ValueError(
+                "LevenbergMarquardt: this optimizer was saved while training on "
+                f"residuals={self._residuals_unsaved!r}, a lambda or closure that "
+                "cannot be saved, and would otherwise train on the compiled loss "
+                "instead. Set `optimizer.residuals = <your function>` before "
+                "fit, or define it at a module's top level and register it with "
+                "keras.saving.register_keras_serializable so that it is saved by "
+                "name.")
+        _check_residuals(custom, self.chunk_size)
+        loss_name = None if custom is not None else lm_losses.loss_name(loss)
+        robust = None if custom is not None else lm_losses.robust_loss(loss)
+        if custom is None and loss_name not in lm_losses.MSE_NAMES and loss_name not in \
                 lm_losses.CROSS_ENTROPY and robust is None:
             raise ValueError(
                 "LevenbergMarquardt: the model must be compiled with a mean "
@@ -420,6 +458,8 @@ class LevenbergMarquardt:
         loss_weights = lm_losses.compiled_loss_weights(model)
 
         def residuals(xb, yb, wb):
+            if custom is not None:
+                return tf.cast(tf.reshape(custom(model, xb, yb, wb), [-1]), dtype)
             y_pred = model(xb, training=True)
             if robust is None:
                 return lm_losses.mse_residuals(y_pred, yb, wb, dtype, loss_weights)
@@ -569,16 +609,30 @@ class LevenbergMarquardt:
             "max_attempts": self.max_attempts,
             "chunk_size": self.chunk_size,
             "minibatch_guard": self.minibatch_guard,
+            "residuals": self._saved_residuals(),
             # Keras's loader binds it to the loaded model again (`attach`).
             "bound_to_model": getattr(self, "_bound", False),
         }
 
+    def _saved_residuals(self):
+        """``None``, ``{"fn": ...}`` (saved by name) or ``{"unsaved": name}``."""
+        if self.residuals is None:
+            return ({"unsaved": self._residuals_unsaved}
+                    if self._residuals_unsaved else None)
+        saved = self._saved_function(self.residuals)
+        return saved or {"unsaved": getattr(self.residuals, "__qualname__",
+                                            type(self.residuals).__name__)}
+
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        del custom_objects
         config = dict(config)
         bound = config.pop("bound_to_model", False)
+        saved = config.pop("residuals", None)
         optimizer = cls(**config)
+        if saved is not None and "fn" in saved:
+            optimizer.residuals = cls._load_function(saved["fn"], custom_objects)
+        elif saved is not None:
+            optimizer._residuals_unsaved = saved.get("unsaved", "?")
         optimizer._bound = bool(bound)  # until attached: saved the same again
         _model_hooks.bind_after_load(optimizer, bound)
         return optimizer

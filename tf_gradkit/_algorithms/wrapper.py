@@ -11,9 +11,6 @@ refuses the others at construction, naming both classes and what to write
 instead, so no composition runs silently wrong.
 """
 
-import importlib
-import inspect
-
 from tf_gradkit._model_hooks import check_model, optimizer_chain
 
 
@@ -131,28 +128,3 @@ class Wrapper:
         return cls._deserialize_optimizer(config.pop("optimizer"),
                                           custom_objects=custom_objects)
 
-    def _saved_function(self, fn):
-        """``{"fn": ...}`` for a function Keras can save by name (defined at
-        a module's top level), ``{}`` for a lambda or closure."""
-        qualname = getattr(fn, "__qualname__", "")
-        if (not inspect.isfunction(fn) or "<" in qualname
-                or fn.__closure__ is not None):
-            return {}
-        return {"fn": self._serialize(fn)}
-
-    @classmethod
-    def _load_function(cls, saved, custom_objects):
-        """The function `_saved_function` saved: by its registered name, else
-        its module and name (legacy deserialisation, used by HDF5 and
-        SavedModel loading, knows neither form)."""
-        if isinstance(saved, dict):
-            registered = saved.get("registered_name")
-            fn = (custom_objects or {}).get(saved.get("config"))
-            if fn is None and registered:
-                fn = cls._registered(registered)
-            if fn is None and saved.get("module"):
-                module = importlib.import_module(saved["module"])
-                fn = getattr(module, saved.get("config"), None)
-            if fn is not None:
-                return fn
-        return cls._deserialize_function(saved, custom_objects=custom_objects)

@@ -29,6 +29,8 @@ module, has the same ``saving``, ``optimizers``, ``constraints`` and
   (``_prepare``, ``_build_slots``, ``_update_one``).
 """
 
+import importlib
+import inspect
 import os
 import sys
 import weakref
@@ -286,6 +288,32 @@ class OptimizerHost:
     @classmethod
     def _registered(cls, name):
         return cls.KERAS.saving.get_registered_object(name)
+
+    def _saved_function(self, fn):
+        """``{"fn": ...}`` for a function Keras can save by name (defined at
+        a module's top level), ``{}`` for a lambda or closure."""
+        qualname = getattr(fn, "__qualname__", "")
+        if (not inspect.isfunction(fn) or "<" in qualname
+                or fn.__closure__ is not None):
+            return {}
+        return {"fn": self._serialize(fn)}
+
+    @classmethod
+    def _load_function(cls, saved, custom_objects):
+        """The function `_saved_function` saved: by its registered name, else
+        its module and name (legacy deserialisation, used by HDF5 and
+        SavedModel loading, knows neither form)."""
+        if isinstance(saved, dict):
+            registered = saved.get("registered_name")
+            fn = (custom_objects or {}).get(saved.get("config"))
+            if fn is None and registered:
+                fn = cls._registered(registered)
+            if fn is None and saved.get("module"):
+                module = importlib.import_module(saved["module"])
+                fn = getattr(module, saved.get("config"), None)
+            if fn is not None:
+                return fn
+        return cls._deserialize_function(saved, custom_objects=custom_objects)
 
     # ------------------------------------------------------ other optimizers
     @classmethod
