@@ -794,3 +794,88 @@ def test_own_residuals_arguments_are_checked(gk):
         gk.LevenbergMarquardt(residuals="mse")
     with pytest.raises(ValueError, match="use chunk_size=None with `residuals`"):
         gk.LevenbergMarquardt(residuals=scaled_residuals, chunk_size=10)
+
+
+# -- a subset of the parameters per step -------------------------------------------
+
+def _three_layers(K):
+    K.utils.set_random_seed(0)
+    return K.Sequential([K.Input((1,)), K.layers.Dense(12, activation="tanh"),
+                         K.layers.Dense(12, activation="tanh"), K.layers.Dense(1)])
+
+
+def _changed(model, before):
+    return [int(np.sum(w.numpy() != b)) for w, b in zip(model.trainable_variables, before)]
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_subset_layers_steps_one_layer_at_a_time(K, gk, mode):
+    x, y = _sine()
+    model = _three_layers(K)
+    model.compile(optimizer=gk.LevenbergMarquardt(model, subset="layers"), loss="mse",
+                  run_eagerly=mode == "eager", jit_compile=mode == "jit")
+    for step in range(4):
+        before = [w.numpy() for w in model.trainable_variables]
+        model.fit(x, y, batch_size=200, epochs=1, verbose=0)
+        changed = _changed(model, before)
+        layer = step % 3  # kernel and bias of that layer only
+        assert all(c > 0 for c in changed[2 * layer:2 * layer + 2]), changed
+        assert sum(changed) == sum(changed[2 * layer:2 * layer + 2]), changed
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_subset_fraction_draws_new_parameters_each_step(K, gk, mode):
+    x, y = _sine()
+    model = _three_layers(K)
+    total = sum(int(np.prod(w.shape)) for w in model.trainable_variables)
+    k = int(np.ceil(0.2 * total))
+    opt = gk.LevenbergMarquardt(model, subset=0.2)
+    model.compile(optimizer=opt, loss="mse", run_eagerly=mode == "eager",
+                  jit_compile=mode == "jit")
+    moved = []
+    for _ in range(3):
+        before = np.concatenate([w.numpy().ravel() for w in model.trainable_variables])
+        model.fit(x, y, batch_size=200, epochs=1, verbose=0)
+        after = np.concatenate([w.numpy().ravel() for w in model.trainable_variables])
+        moved.append(set(np.flatnonzero(after != before)))
+        assert 0 < len(moved[-1]) <= k
+    assert moved[0] != moved[1] != moved[2]
+    history = model.fit(x, y, batch_size=200, epochs=40, verbose=0)
+    assert history.history["loss"][-1] < 0.2 * history.history["loss"][0]
+
+
+def test_subset_of_every_parameter_is_the_plain_step(K, gk):
+    x, y = _sine()
+    weights = []
+    for subset in (None, 1.0):
+        model = _three_layers(K)
+        model.compile(optimizer=gk.LevenbergMarquardt(model, subset=subset),
+                      loss="mse", jit_compile=True)
+        model.fit(x, y, batch_size=200, epochs=5, verbose=0)
+        weights.append([w.numpy() for w in model.trainable_variables])
+    # The same system with its columns gathered: float32 round-off only.
+    assert max_abs_diff(weights[0], weights[1]) < 1e-5
+
+
+def test_subset_in_a_custom_loop(K, gk):
+    x, y = _sine()
+    model = _three_layers(K)
+    opt = gk.LevenbergMarquardt(subset="layers")
+
+    @tf.function(jit_compile=True)
+    def step():
+        return opt.minimize(lambda: model(x, training=True) - y,
+                            model.trainable_variables)
+
+    first = float(step())
+    for _ in range(60):
+        last = float(step())
+    assert last < 0.2 * first
+
+
+def test_subset_is_checked_and_saved(gk):
+    for bad in (0.0, 1.5, "layer", True):
+        with pytest.raises(ValueError, match="`subset` must be None"):
+            gk.LevenbergMarquardt(subset=bad)
+    opt = gk.LevenbergMarquardt(subset=0.25)
+    assert gk.LevenbergMarquardt.from_config(opt.get_config()).subset == 0.25

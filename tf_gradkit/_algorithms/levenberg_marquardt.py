@@ -10,6 +10,7 @@ var_list)``. Plain ``apply_gradients`` raises, saying how to use it.
 
 from typing import NamedTuple
 
+import numpy as np
 import tensorflow as tf
 
 from tf_gradkit import _model_hooks
@@ -44,6 +45,16 @@ CUSTOM_TRAIN_STEP = (
 # diabetes benchmark 0.25, 0.5 and 0.75 ended within each other's seed noise
 # (benchmarks/lm_minibatch.py); a quarter is Moré's "poor step" ratio.
 GUARD_CARRIED = 0.25
+
+
+def _check_subset(subset):
+    fraction = isinstance(subset, (int, float)) and not isinstance(subset, bool) \
+        and 0 < subset <= 1
+    if subset is not None and subset != "layers" and not fraction:
+        raise ValueError(
+            "LevenbergMarquardt: `subset` must be None (every parameter), a "
+            "fraction in (0, 1] (drawn at random each step) or 'layers' (one "
+            f"layer per step, in turn). Received: subset={subset!r}")
 
 
 def _check_residuals(residuals, chunk_size):
@@ -182,6 +193,14 @@ class LevenbergMarquardt:
         ``load_model`` in ``custom_objects``); a lambda or closure is not
         saved, and the loaded optimizer refuses to train until
         ``optimizer.residuals = fn`` is set again.
+      subset: which parameters each step solves for (torch-levenberg-
+        marquardt's ``param_selection_strategy``): None (default) all;
+        a float in (0, 1], that fraction of them drawn at random each step
+        (the same draw on every replica; the system is that fraction's size
+        squared); "layers", one layer's weights per step, cycling through
+        the layers in order (a layer: the variables sharing a path up to
+        their last "/"). The others keep their values for that step. Not
+        with pruning masks (those already choose the columns).
       initial_damping: the first lambda (default: the controller's, 1e-3),
         for a controller that has one ("nielsen", "multiply_divide"); the
         trust region sets lambda from its radius and refuses it. Saved as
@@ -202,14 +221,15 @@ class LevenbergMarquardt:
     def __init__(self, model=None, controller="nielsen", scaling="marquardt",
                  solver="cholesky", max_attempts=10, chunk_size=None, name=None,
                  initial_damping=None, minibatch_guard=True, residuals=None,
-                 **kwargs):
+                 subset=None, **kwargs):
         self._check_backend()
         if kwargs:
             raise unexpected_arguments(
                 "LevenbergMarquardt", kwargs, "model, controller, scaling, solver, "
                 "max_attempts, chunk_size, name, initial_damping, minibatch_guard, "
-                "residuals", advice="")
+                "residuals, subset", advice="")
         _check_residuals(residuals, chunk_size)
+        _check_subset(subset)
         if not isinstance(minibatch_guard, bool):
             raise ValueError("LevenbergMarquardt: `minibatch_guard` must be True or "
                              f"False. Received: minibatch_guard={minibatch_guard!r}")
@@ -227,6 +247,7 @@ class LevenbergMarquardt:
         self.chunk_size = chunk_size
         self.minibatch_guard = minibatch_guard
         self.residuals = residuals
+        self.subset = subset
         self._residuals_unsaved = None  # the name of one lost in saving
         self._lm_vars = None
         self.masks = None
@@ -402,6 +423,13 @@ class LevenbergMarquardt:
         so after a pruning schedule ends, re-trace (e.g.
         ``model.make_train_function(force=True)``) to get the full saving.
         """
+        if self.subset is not None:
+            if self.masks is not None:
+                raise ValueError(
+                    "LevenbergMarquardt: `subset` chooses the parameters each step "
+                    "solves for, and so do the pruning masks it was handed; use "
+                    "one of the two (subset=None under pruning).")
+            return self._subset_support(variables, tf_vars)
         if self.masks is None:
             return None
         masks = [self.masks.mask_for(v, cast=False) for v in variables]
@@ -417,6 +445,33 @@ class LevenbergMarquardt:
             parts.append(tf.reshape(tf.cast(tf.not_equal(m, 0), tf.float32), [-1]))
             capacity += _count_nonzero_now(m, n)
         return lin_lib.support_from_mask(tf.concat(parts, axis=0), max(capacity, 1))
+
+    def _subset_support(self, variables, tf_vars):
+        """`subset`'s parameters for this step (from ``iterations``)."""
+        sizes = [v.shape.num_elements() for v in tf_vars]
+        total = sum(sizes)
+        step = tf.cast(self.iterations, tf.int64)
+        if self.subset == "layers":
+            groups = {}
+            offset = 0
+            for v, n in zip(variables, sizes):
+                path = self._path(v).split(":")[0]
+                layer = path.rsplit("/", 1)[0] if "/" in path else path
+                groups.setdefault(layer, []).append((offset, n))
+                offset += n
+            indices = [np.concatenate([np.arange(o, o + n) for o, n in parts])
+                       for parts in groups.values()]
+            capacity = max(len(i) for i in indices)
+            table = np.stack([np.pad(i, (0, capacity - len(i)), mode="edge")
+                              for i in indices]).astype(np.int32)
+            valid = np.stack([np.arange(capacity) < len(i) for i in indices])
+            which = tf.cast(step % len(indices), tf.int32)
+            return lin_lib.Support(indices=tf.gather(tf.constant(table), which),
+                                   valid=tf.gather(tf.constant(valid), which))
+        k = max(1, int(np.ceil(self.subset * total)))
+        draw = tf.random.stateless_uniform([total], seed=tf.stack([step, step * 0 + 7]))
+        chosen = tf.sort(tf.math.top_k(draw, k=k, sorted=False).indices)
+        return lin_lib.Support(indices=chosen, valid=tf.ones([k], tf.bool))
 
     def _fit_step(self, model, data):
         loss = getattr(model, "loss", None)
@@ -610,6 +665,7 @@ class LevenbergMarquardt:
             "chunk_size": self.chunk_size,
             "minibatch_guard": self.minibatch_guard,
             "residuals": self._saved_residuals(),
+            "subset": self.subset,
             # Keras's loader binds it to the loaded model again (`attach`).
             "bound_to_model": getattr(self, "_bound", False),
         }
