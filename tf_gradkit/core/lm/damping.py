@@ -337,7 +337,7 @@ class Marquardt:
         return tf.maximum(scale, tiny)
 
 
-class XScale:
+class XScale(Levenberg):
     """``D^2 = 1 / x_scale^2``: fixed characteristic scales of the parameters
     (scipy's array ``x_scale``): the trust region is a sphere in the
     variables ``x / x_scale``.
@@ -345,8 +345,6 @@ class XScale:
     Args:
       x_scale: positive floats, one per parameter (flat), or one float.
     """
-
-    needs_diagonal = False
 
     def __init__(self, x_scale):
         scale = np.asarray(x_scale, np.float64).reshape(-1)
@@ -363,16 +361,11 @@ class XScale:
             raise ValueError(
                 f"XScale: `x_scale` has {self.x_scale.size} values but there are "
                 f"{num_params} parameters; pass one value or one per parameter.")
-        return tf.zeros([num_params], dtype)
-
-    def update(self, scale, jtj_diag):
-        del jtj_diag
-        return scale
+        return super().init(num_params, dtype)
 
     def diagonal(self, scale, jtj_diag):
-        del scale
-        return tf.ones_like(jtj_diag) / tf.constant(self.x_scale ** 2,
-                                                    jtj_diag.dtype)
+        return super().diagonal(scale, jtj_diag) / tf.constant(self.x_scale ** 2,
+                                                               jtj_diag.dtype)
 
 
 CONTROLLERS = {"nielsen": Nielsen, "multiply_divide": MultiplyDivide,

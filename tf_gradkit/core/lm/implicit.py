@@ -106,27 +106,26 @@ def _variable_like(x0):
 def _implicit_vjp(cost, x, theta, upstream, free):
     """``-(d g / d theta)^T H^-1 u`` with ``g = d cost / d x`` at ``x``."""
     p = tf.size(x)
-    fixed = [tf.stop_gradient(t) for t in theta]
     with tf.GradientTape() as outer:
         outer.watch(x)
-        with tf.GradientTape() as inner:
-            inner.watch(x)
-            c = cost(x, *fixed)
-        g = tf.reshape(inner.gradient(c, x), [-1])
+        g = _gradient_in_x(cost, x, [tf.stop_gradient(t) for t in theta])
     hessian = tf.reshape(outer.jacobian(g, x), [p, p])
     both = free[:, None] & free[None, :]
     hessian = tf.where(both, hessian, tf.eye(p, dtype=x.dtype))
     u = tf.where(free, tf.reshape(tf.cast(upstream, x.dtype), [-1]),
                  tf.zeros([p], x.dtype))
-    w = tf.linalg.solve(hessian, u[:, None])[:, 0]
-    w = tf.stop_gradient(w)
+    w = tf.stop_gradient(tf.linalg.solve(hessian, u[:, None])[:, 0])
     with tf.GradientTape() as outer:
         outer.watch(theta)
-        with tf.GradientTape() as inner:
-            inner.watch(x)
-            c = cost(x, *theta)
-        g = tf.reshape(inner.gradient(c, x), [-1])
-        pairing = tf.reduce_sum(g * w)
+        pairing = tf.reduce_sum(_gradient_in_x(cost, x, theta) * w)
     grads = outer.gradient(pairing, list(theta),
                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
     return [-gr for gr in grads]
+
+
+def _gradient_in_x(cost, x, theta):
+    """The cost's gradient in ``x``, flat, differentiable again."""
+    with tf.GradientTape() as inner:
+        inner.watch(x)
+        c = cost(x, *theta)
+    return tf.reshape(inner.gradient(c, x), [-1])
