@@ -58,7 +58,7 @@ def _rho(loss, z):
 # -- robust losses ---------------------------------------------------------
 
 @pytest.mark.parametrize("loss", LOSSES)
-@pytest.mark.parametrize("f_scale", [0.1, 1.0])
+@pytest.mark.parametrize("f_scale", [0.1, pytest.param(1.0, marks=pytest.mark.slow)])
 def test_robust_loss_matches_scipy(loss, f_scale):
     start = [1.0, 0.1, 0.0]
     v, result = _decay_fit(start, loss=loss, f_scale=f_scale,

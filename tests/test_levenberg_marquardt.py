@@ -626,7 +626,7 @@ def test_minibatch_guard_keeps_small_batches_from_collapsing(K, gk):
     assert results[True][1] > 3 * results[False][1], results
 
 
-@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("mode", [pytest.param("eager", marks=pytest.mark.slow), "jit"])
 def test_minibatch_guard_changes_nothing_on_a_full_batch(K, gk, mode):
     """The same batch every step: all of a step's decrease carries over, the
     guard never fires, and the weights equal the unguarded run's."""
@@ -686,7 +686,7 @@ def _outlier_data():
 
 
 @pytest.mark.parametrize("loss", ["huber", "mae"])
-@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("mode", [pytest.param("eager", marks=pytest.mark.slow), "jit"])
 def test_robust_losses_train_through_fit(K, gk, loss, mode):
     """Huber (delta 0.1) and MAE as robust residuals: LM minimises the
     compiled loss itself (on a full batch every accepted step lowers it, so
@@ -823,7 +823,7 @@ def test_subset_layers_steps_one_layer_at_a_time(K, gk, mode):
         assert sum(changed) == sum(changed[2 * layer:2 * layer + 2]), changed
 
 
-@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("mode", [pytest.param("eager", marks=pytest.mark.slow), "jit"])
 def test_subset_fraction_draws_new_parameters_each_step(K, gk, mode):
     x, y = _sine()
     model = _three_layers(K)
