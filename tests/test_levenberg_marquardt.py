@@ -879,3 +879,18 @@ def test_subset_is_checked_and_saved(gk):
             gk.LevenbergMarquardt(subset=bad)
     opt = gk.LevenbergMarquardt(subset=0.25)
     assert gk.LevenbergMarquardt.from_config(opt.get_config()).subset == 0.25
+
+
+def test_minibatch_guard_leaves_large_batches_alone(K, gk):
+    """Batches with at least 4 residuals per parameter (here 100 for 25
+    parameters) estimate the data's cost well: the guard does not watch
+    them, so mini-batch steps equal the unguarded ones."""
+    x, y = _sine()
+    weights = []
+    for guard in (True, False):
+        model = _small_net(K)
+        model.compile(optimizer=gk.LevenbergMarquardt(model, minibatch_guard=guard),
+                      loss="mse", jit_compile=True)
+        model.fit(x, y, batch_size=100, epochs=5, shuffle=False, verbose=0)
+        weights.append([w.numpy() for w in model.trainable_variables])
+    assert max_abs_diff(weights[0], weights[1]) < 1e-6
