@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: demo test test-keras3 test-tf-keras test-gpu test-slow bench clean
+.PHONY: demo test test-keras3 test-tf-keras test-keras3-local test-tf-keras-local test-gpu test-slow bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,20 +30,39 @@ test-keras3: $(STAMP)
 test-tf-keras: $(STAMP)
 	TF_USE_LEGACY_KERAS=1 $(PYTEST) -m "not slow and not keras_free"
 
-test: test-keras3 test-tf-keras
-	$(PY) examples/accumulate_fit.py
-	$(PY) examples/accumulate_custom_loop.py
-	$(PY) examples/accumulate_tokens.py
-	$(PY) examples/lm_curve_fit.py
-	$(PY) examples/lm_fit.py
-	$(PY) examples/conditional_accumulator.py
-	$(PY) examples/nmf.py
-	$(PY) examples/constrained_classifier.py
-	$(PY) examples/pruning_workflow.py
-	$(PY) examples/pruning_keras3.py
-	$(PY) examples/multiworker_fit.py
-	$(PY) examples/parameter_server.py
-	$(PY) examples/pinn_poisson.py
+EXAMPLES := accumulate_fit \
+	accumulate_custom_loop \
+	accumulate_tokens \
+	lm_curve_fit \
+	lm_fit \
+	conditional_accumulator \
+	nmf \
+	constrained_classifier \
+	pruning_workflow \
+	pruning_keras3 \
+	pinn_poisson
+# These start worker processes on loopback ports: one at a time.
+MULTIPROCESS_EXAMPLES := multiworker_fit parameter_server
+
+# `make test`: the two flavours' suites side by side (two processes for the
+# two cores; each process is mostly single-threaded Python on small models),
+# then the multi-process tests and examples one at a time (their time bounds
+# assume the cores are theirs), then the other examples two at a time.
+test: $(STAMP)
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-keras3-local test-tf-keras-local
+	TF_USE_LEGACY_KERAS=0 $(PYTEST) -m "multiworker and not slow"
+	TF_USE_LEGACY_KERAS=1 $(PYTEST) -m "multiworker and not slow and not keras_free"
+	$(MAKE) --no-print-directory $(addprefix example-,$(MULTIPROCESS_EXAMPLES))
+	$(MAKE) --no-print-directory -j2 --output-sync=target $(addprefix example-,$(EXAMPLES))
+
+test-keras3-local: $(STAMP)
+	TF_USE_LEGACY_KERAS=0 $(PYTEST) -m "not slow and not multiworker"
+
+test-tf-keras-local: $(STAMP)
+	TF_USE_LEGACY_KERAS=1 $(PYTEST) -m "not slow and not keras_free and not multiworker"
+
+example-%: $(STAMP)
+	$(PY) examples/$*.py
 
 # On a GPU machine: the battery, the equivalence, precision and GPU tests and
 # every MirroredStrategy test (over two logical GPUs, NCCL all-reduce), per
