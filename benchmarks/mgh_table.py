@@ -55,12 +55,13 @@ Run from the repository root:
     .venv/bin/python benchmarks/mgh_table.py --variants all  # also our variants, ~8 min
 
 ``--variants`` adds columns and totals for ``least_squares`` with
-``controller="nielsen"``, ``geodesic_acceleration=True``,
+``scaling="hybrid"``, ``controller="nielsen"``, ``geodesic_acceleration=True``,
 ``controller="multiply_divide"``, ``scaling="levenberg"`` and
 ``scaling=Marquardt(monotone=False)`` (one more compilation per problem
 each). Measured (2 CPUs, 2026-11-23), solved global / any listed of 126:
 default (trust region) 97 / 103, nielsen 97 / 101, levenberg 103 / 109,
-current_diagonal 88 / 94; scipy lm 95 / 103, trf 105 / 110. A copy of
+current_diagonal 88 / 94; scipy lm 95 / 103, trf 105 / 110. Measured
+2026-11-24: hybrid (``scaling="hybrid"``) 108 / 111. A copy of
 the report goes to `benchmarks/results/mgh.md` (git-ignored). If
 `tf_gradkit.least_squares` is missing, our columns read "n/a".
 """
@@ -100,6 +101,7 @@ VARIANTS = {
     "geodesic": {"geodesic_acceleration": True},
     "multiply_divide": {"controller": "multiply_divide"},
     "levenberg": {"scaling": "levenberg"},
+    "hybrid": {"scaling": "hybrid"},
     "current_diagonal": {"scaling": {"name": "marquardt", "config": {"monotone": False}}},
 }
 SCIPY_METHODS = ("lm", "trf")

@@ -86,6 +86,10 @@ def test_least_squares_says_it_needs_variables():
 def test_lm_errors_name_parts_as_the_user_did(gk):
     with pytest.raises(ValueError, match=r"solver='cg'.*scaling='marquardt'"):
         gk.LevenbergMarquardt(solver="cg")
+    # The hybrid scaling restarts whole solves: least_squares only.
+    with pytest.raises(ValueError, match=r"scaling='hybrid' restarts a whole solve.*"
+                                         r"Use scaling='marquardt' or 'levenberg'"):
+        gk.LevenbergMarquardt(scaling="hybrid")
     model = keras_module().Sequential([keras_module().Input((2,)),
                                        keras_module().layers.Dense(1)])
     opt = gk.LevenbergMarquardt(model, solver="qr", chunk_size=2)

@@ -250,6 +250,12 @@ class LevenbergMarquardt:
             controller, damping_lib.CONTROLLERS, "controller"), initial_damping)
         self.scaling = parts_lib.resolve_part(scaling, damping_lib.SCALINGS,
                                               "scaling")
+        if callable(getattr(self.scaling, "phases", None)):
+            raise ValueError(
+                "LevenbergMarquardt: scaling="
+                f"{parts_lib.part_name(self.scaling)!r} restarts a whole solve, "
+                "which only `tf_gradkit.least_squares` runs; the optimizer takes "
+                "one step per batch. Use scaling='marquardt' or 'levenberg'.")
         self.solver = parts_lib.resolve_part(solver, solvers_lib.SOLVERS, "solver")
         check_parts(self.scaling, self.solver)
         self.max_attempts = max_attempts

@@ -106,8 +106,12 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         (103), and it solves Meyer's function from 10x0 and 100x0 where
         Nielsen crawls (docs/levenberg_marquardt.md).
       scaling: "marquardt" (default, scale-invariant: ``D`` from the
-        Jacobian's column norms, running max as MINPACK) or "levenberg"
-        (``D = I``); or use ``x_scale``.
+        Jacobian's column norms, running max as MINPACK), "levenberg"
+        (``D = I``) or "hybrid" (a Levenberg run with scipy ``trf``'s first
+        radius, then, only if it ends unconverged, a Marquardt run from the
+        same start; the lower cost wins: `damping.Hybrid`). On the
+        Moré-Garbow-Hillstrom runs the hybrid solves 108 of 126 against the
+        default's 97 and scipy ``trf``'s 105; or use ``x_scale``.
       solver: "qr" (default: precision on ill-conditioned problems),
         "cholesky" (fast normal equations), "dual" (J J^T form, for fewer
         residuals than parameters), "cg" (matrix-free conjugate gradients,
@@ -221,11 +225,20 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         x = lin_lib.flatten(var_list, dtype)
         return bounds_lib.freeze(lin, box.frozen(x, lin.jtr))
 
-    def solve():
-        if box is not None and not tf.executing_eagerly():
-            for v, inside in zip(var_list, lin_lib.unflatten(
-                    box.clip(lin_lib.flatten(var_list, dtype)), var_list)):
-                v.assign(inside)
+    phases = (scaling.phases(controller) if callable(getattr(scaling, "phases", None))
+              else [(scaling, controller)])
+
+    def assign(flat):
+        for v, value in zip(var_list, lin_lib.unflatten(flat, var_list)):
+            v.assign(value)
+
+    matrix_free = solver.consumes == solvers_lib.MATRIX_FREE
+    last = []  # the last run's final linearisation (one run: reused)
+
+    def run(scaling, controller, start_cost):
+        """One whole solve from the variables' values: (iterations, stop
+        code, damping, the final linearisation, its optimality); the
+        variables end at its solution."""
 
         def body(it, reason, state, cost):
             del cost
@@ -263,15 +276,14 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                 grad_small, lambda: (state, lin.cost, tf.constant(1)), take_step)
             return it + 1, code, new_state, new_cost
 
-        start_cost = cost_fn()
         state = step_lib.init_state(controller, scaling, num_params, dtype)
-        it, code, state, cost = tf.while_loop(
+        it, code, state, _ = tf.while_loop(
             lambda it, reason, *_: (reason == 0) & (it < max_iterations), body,
             (tf.constant(0), tf.constant(0), state, tf.constant(0.0, dtype)),
             maximum_iterations=max_iterations)
         code = tf.where(code == 0, 4, code)
-        matrix_free = solver.consumes == solvers_lib.MATRIX_FREE
         final = linearize(solver.consumes if matrix_free else solvers_lib.JACOBIAN)
+        last[:] = [final]
         cosine = _optimality(held(final))
         # Not at round-off: the residuals' largest component along a column
         # of J, cosine * |r|, above sqrt(eps) (a zero-residual solution has
@@ -281,11 +293,38 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         far = ((code >= 2) & (code <= 3) & (cosine > STATIONARY_COSINE)
                & (along > tf.sqrt(tf.constant(eps, dtype)))
                & (final.cost > eps * start_cost))
+        return it, tf.where(far, 6, code), state.damping, final.cost, cosine
+
+    def solve():
+        if box is not None and not tf.executing_eagerly():
+            assign(box.clip(lin_lib.flatten(var_list, dtype)))
+        start_cost = cost_fn()
+        x0 = lin_lib.flatten(var_list, dtype)
+        out = run(*phases[0], start_cost)
+        for phase in phases[1:]:
+            # The next phase only where this one ended unconverged (iteration
+            # limit, no acceptable step, stalled far from a minimum); it
+            # starts from x0 again, and the lower cost of the two is kept.
+            def another(first=out, phase=phase):
+                x_first = lin_lib.flatten(var_list, dtype)
+                assign(x0)
+                second = run(*phase, start_cost)
+                cost_first, cost_second = first[3], second[3]
+                better = (cost_second < cost_first) | ~tf.math.is_finite(cost_first)
+                assign(tf.where(better, lin_lib.flatten(var_list, dtype), x_first))
+                kept = tf.nest.map_structure(lambda a, b: tf.where(better, a, b),
+                                             second, first)
+                return (first[0] + second[0],) + tuple(kept[1:])
+
+            out = tf.cond(out[1] >= 4, another, lambda out=out: out)
+        it, code, damping, _, cosine = out
+        final = (linearize(solver.consumes if matrix_free else solvers_lib.JACOBIAN)
+                 if len(phases) > 1 else last[0])
         x = lin_lib.flatten(var_list, dtype)
         fun = tf.cast(tf.reshape(residual_fn(), [-1]), dtype)
         mask = (tf.zeros([num_params], tf.int32) if box is None
                 else box.active_mask(x))
-        return (it, tf.where(far, 6, code), state.damping, final.cost, cosine,
+        return (it, code, damping, final.cost, cosine,
                 x, fun, final.jacobian, final.jtr, mask)
 
     if tf.executing_eagerly():
