@@ -292,3 +292,21 @@ def constraint_class(set_class):
     """The tf_keras constraint made from a `core.sets` set class."""
     return protocol.constraint_class(set_class, tf_keras, "tf_gradkit.tf_keras.constraints",
                                      check_backend)
+
+
+def layer_kinds():
+    """This flavour's layer classes that `tf_gradkit.gradients` has a
+    per-example rule for (or refuses): kind -> classes. "excluded" are
+    subclasses of those classes whose math differs (transposed, depthwise,
+    separable convolutions)."""
+    layers = tf_keras.layers
+    return {
+        "dense": (layers.Dense,),
+        "conv": (layers.Conv1D, layers.Conv2D),
+        "excluded": (layers.Conv1DTranspose, layers.Conv2DTranspose,
+                     layers.DepthwiseConv2D, layers.SeparableConv1D,
+                     layers.SeparableConv2D),
+        "embedding": (layers.Embedding,),
+        "layer_norm": (layers.LayerNormalization,),
+        "batch_norm": (layers.BatchNormalization,),
+    }

@@ -1,0 +1,137 @@
+"""Per-example gradients and per-example gradient norms (`tf_gradkit.gradients`)
+against a Python loop of single-example GradientTapes."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import compile_fn
+from helpers import MATMUL_UNIT
+from tf_gradkit.gradients import per_example_gradient_norms, per_example_gradients
+
+# float32 sums of a few hundred products per norm, in another order than the
+# loop's (Gram form vs materialised gradient): relative round-off ~1e-6; the
+# margin covers TF32 products (MATMUL_UNIT) on GPUs.
+RTOL = max(1e-4, 50 * MATMUL_UNIT)
+
+
+def _loop(model, loss_fn, x, y, training=False):
+    """Each example's gradient by its own tape (the reference)."""
+    grads, norms = [], []
+    for i in range(int(tf.shape(x)[0])):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(loss_fn(y[i:i + 1], model(x[i:i + 1], training=training)))
+        g = tape.gradient(loss, model.trainable_variables,
+                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        g = [tf.convert_to_tensor(gi) for gi in g]
+        grads.append([gi.numpy() for gi in g])
+        norms.append(np.sqrt(sum(np.sum(np.square(gi.numpy().astype("float64")))
+                                 for gi in g)))
+    return grads, np.array(norms)
+
+
+def _models(K):
+    """name -> (model, x, y, loss_fn) covering every rule."""
+    rng = np.random.default_rng(0)
+    mse = lambda y, p: tf.reduce_sum(tf.square(y - p), -1)  # noqa: E731
+    out = {}
+    K.utils.set_random_seed(0)
+    out["dense"] = (K.Sequential([K.Input((5,)), K.layers.Dense(7, activation="tanh"),
+                                  K.layers.Dense(3)]),
+                    rng.normal(size=(6, 5)), rng.normal(size=(6, 3)), mse)
+    out["dense_sequence"] = (
+        K.Sequential([K.Input((4, 5)), K.layers.Dense(6, activation="relu"),
+                      K.layers.Flatten(), K.layers.Dense(2, use_bias=False)]),
+        rng.normal(size=(6, 4, 5)), rng.normal(size=(6, 2)), mse)
+    out["conv2d"] = (
+        K.Sequential([K.Input((7, 7, 2)),
+                      K.layers.Conv2D(3, 3, strides=2, padding="same", activation="tanh"),
+                      K.layers.Conv2D(4, 2, dilation_rate=2),
+                      K.layers.Flatten(), K.layers.Dense(2)]),
+        rng.normal(size=(5, 7, 7, 2)), rng.normal(size=(5, 2)), mse)
+    out["conv1d"] = (
+        K.Sequential([K.Input((9, 3)),
+                      K.layers.Conv1D(4, 3, padding="causal", dilation_rate=2,
+                                      activation="tanh"),
+                      K.layers.Conv1D(2, 2, strides=2),
+                      K.layers.GlobalAveragePooling1D(), K.layers.Dense(1)]),
+        rng.normal(size=(5, 9, 3)), rng.normal(size=(5, 1)), mse)
+    ids = rng.integers(0, 6, size=(6, 5))
+    out["embedding_layer_norm"] = (
+        K.Sequential([K.Input((5,), dtype="int32"), K.layers.Embedding(6, 4),
+                      K.layers.LayerNormalization(), K.layers.Flatten(),
+                      K.layers.Dense(2)]),
+        ids, rng.normal(size=(6, 2)), mse)
+    # One Dense applied twice (a shared layer): its gradients add up.
+    inp = K.Input((3,))
+    shared = K.layers.Dense(3, activation="tanh")
+    out["shared"] = (K.Model(inp, K.layers.Dense(1)(shared(shared(inp)))),
+                     rng.normal(size=(4, 3)), rng.normal(size=(4, 1)), mse)
+    return out
+
+
+CASES = ["dense", "dense_sequence", "conv2d", "conv1d", "embedding_layer_norm", "shared"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_norms_equal_a_loop_of_single_example_tapes(K, case, mode):
+    model, x, y, loss_fn = _models(K)[case]
+    x = tf.constant(x, "int32" if x.dtype.kind == "i" else "float32")
+    y = tf.constant(y, "float32")
+    _, want = _loop(model, loss_fn, x, y)
+    norms_fn = compile_fn(lambda x, y: per_example_gradient_norms(
+        model, loss_fn, x, y, training=False, per_layer=True), mode)
+    norms, by_layer = norms_fn(x, y)
+    np.testing.assert_allclose(norms.numpy(), want, rtol=RTOL)
+    # The per-layer norms add up (in squares) to the total.
+    np.testing.assert_allclose(sum(np.square(v.numpy()) for v in by_layer.values()),
+                               np.square(norms.numpy()), rtol=RTOL)
+
+
+@pytest.mark.parametrize("case", ["dense", "conv2d", "embedding_layer_norm"])
+def test_vectorised_gradients_equal_the_loop(K, case, mode):
+    model, x, y, loss_fn = _models(K)[case]
+    x = tf.constant(x, "int32" if x.dtype.kind == "i" else "float32")
+    y = tf.constant(y, "float32")
+    want, _ = _loop(model, loss_fn, x, y)
+    fn = compile_fn(lambda x, y: per_example_gradients(
+        lambda e: tf.reduce_sum(loss_fn(e[1], model(e[0], training=False))),
+        model.trainable_variables, (x, y)), mode)
+    got = fn(x, y)
+    for j, g in enumerate(got):
+        assert g.shape[0] == x.shape[0]
+        for i in range(x.shape[0]):
+            np.testing.assert_allclose(g[i].numpy(), want[i][j], rtol=RTOL,
+                                       atol=RTOL * np.abs(want[i][j]).max())
+
+
+def test_sample_weights_scale_each_example(K):
+    model, x, y, loss_fn = _models(K)["dense"]
+    x, y = tf.constant(x, "float32"), tf.constant(y, "float32")
+    plain = per_example_gradient_norms(model, loss_fn, x, y)
+    w = tf.constant([0.0, 1.0, 2.0, 0.5, 1.0, 3.0])
+    weighted = per_example_gradient_norms(model, loss_fn, x, y, sample_weight=w)
+    np.testing.assert_allclose(weighted.numpy(), plain.numpy() * w.numpy(), rtol=RTOL)
+
+
+def test_layers_without_a_rule_are_refused_by_name(K):
+    x, y = tf.ones([4, 3]), tf.ones([4, 1])
+    model = K.Sequential([K.Input((3,)), K.layers.Dense(4),
+                          K.layers.BatchNormalization(name="bn"), K.layers.Dense(1)])
+    loss_fn = lambda y, p: tf.reduce_sum(tf.square(y - p), -1)  # noqa: E731
+    with pytest.raises(ValueError, match=r"layer\(s\) \['bn'\].*BatchNormalization "
+                                         r"mixes the examples"):
+        per_example_gradient_norms(model, loss_fn, x, y)
+    rnn = K.Sequential([K.Input((2, 3)), K.layers.SimpleRNN(2, name="rnn"),
+                        K.layers.Dense(1)])
+    with pytest.raises(ValueError, match=r"\['rnn'\].*use per_example_gradients"):
+        per_example_gradient_norms(rnn, loss_fn, tf.ones([4, 2, 3]), y)
+    # The taps are gone after the call (refused or not): the model is as before.
+    dense = model.layers[0]
+    assert "call" not in dense.__dict__
+    assert dense.activation is K.activations.get(None) or dense.activation.__name__ == "linear"
+
+
+def test_per_example_gradients_bad_input():
+    with pytest.raises(ValueError, match=r"`variables` is empty"):
+        per_example_gradients(lambda e: tf.reduce_sum(e), [], tf.ones([2, 2]))

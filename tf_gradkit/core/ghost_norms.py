@@ -1,0 +1,77 @@
+"""Per-example gradient norms of one layer without its per-example gradients.
+
+For a loss ``L = sum_i L_i`` over a batch, a layer whose output for example
+``i`` is ``z_i = a_i W (+ b)`` (rows ``t`` of ``a_i``: positions, time steps
+or image patches) has the per-example gradient ``G_i = a_i^T g_i`` with
+``g_i = dL/dz_i`` (the gradient of the *summed* loss: example ``i``'s rows
+only see ``L_i`` when examples do not interact). Its squared norm needs no
+``G_i``:
+
+    ||a_i^T g_i||_F^2 = sum_{t,s} (a_it . a_is) (g_it . g_is)
+                      = <a_i a_i^T, g_i g_i^T>_F            (the "ghost norm")
+
+which costs ``T^2 (d + p)`` per example instead of ``T d p`` memory; with one
+row (``T = 1``) it is ``|a_i|^2 |g_i|^2``. Each function below returns
+squared norms ``[B]`` and picks whichever of the two forms is cheaper.
+
+References: Goodfellow, "Efficient per-example gradient computations", 2015;
+Li et al., "Large language models can be strong differentially private
+learners" (ghost clipping), 2021; Bu et al., "Differentially private
+optimization on large model at small cost" (book-keeping), 2023.
+"""
+
+import tensorflow as tf
+
+__all__ = ["matmul_sq_norms", "bias_sq_norms", "embedding_sq_norms",
+           "conv_patches"]
+
+
+def _rows(t):
+    """``[B, T, d]`` from ``[B, d]`` or ``[B, ..., d]``."""
+    shape = tf.shape(t)
+    return tf.reshape(t, [shape[0], -1, shape[-1]])
+
+
+def matmul_sq_norms(a, g):
+    """``||a_i^T g_i||_F^2`` for ``a [B, ..., d]`` and ``g [B, ..., p]``
+    with the same middle axes: a kernel's per-example squared norms."""
+    a, g = _rows(a), _rows(tf.cast(g, a.dtype))
+    if a.shape[1] == 1:
+        return tf.reduce_sum(tf.square(a), [1, 2]) * tf.reduce_sum(tf.square(g), [1, 2])
+    rows = a.shape[1]
+    d, p = a.shape[-1], g.shape[-1]
+    if rows is not None and d is not None and p is not None and rows * rows > d * p:
+        # Materialising a_i^T g_i [B, d, p] is cheaper than the T x T Grams.
+        return tf.reduce_sum(tf.square(tf.einsum("btd,btp->bdp", a, g)), [1, 2])
+    return tf.reduce_sum(tf.einsum("btd,bsd->bts", a, a) *
+                         tf.einsum("btp,bsp->bts", g, g), [1, 2])
+
+
+def bias_sq_norms(g):
+    """``||sum_t g_it||^2``: a bias's per-example squared norms."""
+    return tf.reduce_sum(tf.square(tf.reduce_sum(_rows(g), 1)), 1)
+
+
+def embedding_sq_norms(ids, g):
+    """An embedding table's per-example squared norms.
+
+    Example ``i``'s gradient adds ``g_it`` to row ``ids_it`` of the table, so
+    ``||G_i||^2 = sum_{t,s} [ids_it == ids_is] (g_it . g_is)``.
+    """
+    ids = tf.reshape(ids, [tf.shape(ids)[0], -1])
+    g = _rows(g)
+    same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), g.dtype)
+    return tf.reduce_sum(same * tf.einsum("btp,bsp->bts", g, g), [1, 2])
+
+
+def conv_patches(inputs, kernel_size, strides, padding, dilation_rate):
+    """``[B, positions, k_h * k_w * c_in]``: the input patches a 2-D
+    convolution (channels last) multiplies by its kernel, in the kernel's
+    ``[k_h, k_w, c_in]`` order; with ``g [B, positions, c_out]`` the
+    kernel's per-example norms are `matmul_sq_norms`."""
+    patches = tf.image.extract_patches(
+        inputs, sizes=[1, kernel_size[0], kernel_size[1], 1],
+        strides=[1, strides[0], strides[1], 1],
+        rates=[1, dilation_rate[0], dilation_rate[1], 1],
+        padding=padding.upper())
+    return _rows(patches)

@@ -1,0 +1,16 @@
+"""Gradient tools: per-example gradients and norms, Jacobians of any tensor,
+gradient hooks, weighted aggregation, backward-pass cost and precise
+batch-norm statistics. Importing this module imports no Keras."""
+
+from tf_gradkit.gradients.aggregation import weighted_average
+from tf_gradkit.gradients.cost import BackwardCost, backward_cost
+from tf_gradkit.gradients.per_example import per_example_gradient_norms
+from tf_gradkit.gradients.per_example import per_example_gradients
+
+__all__ = [
+    "BackwardCost",
+    "backward_cost",
+    "per_example_gradient_norms",
+    "per_example_gradients",
+    "weighted_average",
+]
