@@ -83,7 +83,8 @@ def residuals_and_jacobian(residual_fn, variables, dtype, mode="auto",
 
     Args:
       residual_fn: zero-argument callable.
-      variables: the parameters (plain ``tf.Variable``s).
+      variables: the parameters (plain ``tf.Variable``s, or tensors that
+        ``residual_fn`` computes from).
       dtype: dtype of the returned tensors.
       mode: "forward", "reverse", or "auto" (forward when N >= P statically,
         or when N is unknown).
@@ -101,6 +102,9 @@ def residuals_and_jacobian(residual_fn, variables, dtype, mode="auto",
             return tf.cast(residuals, dtype), _forward_jacobian(
                 residual_fn, variables, num_params, dtype, support)
     with tf.GradientTape() as tape:
+        # Tensors (not variables) are differentiated too when watched
+        # (`tf_gradkit.gradients.jacobian` of intermediate activations).
+        tape.watch([v for v in variables if not isinstance(v, tf.Variable)])
         residuals = tf.reshape(residual_fn(), [-1])
     jac = tape.jacobian(residuals, variables,
                         unconnected_gradients=tf.UnconnectedGradients.ZERO,
