@@ -354,3 +354,20 @@ def layer_kinds():
         "layer_norm": (layers.LayerNormalization,),
         "batch_norm": (layers.BatchNormalization,),
     }
+
+
+def watch_applied_gradients(optimizer, record):
+    """Makes ``record(grads, variables)`` see every gradient ``optimizer``
+    applies (Keras 3: its ``apply``, which ``apply_gradients`` and wrappers
+    call). Returns the function that removes the watch."""
+    original = optimizer.apply
+
+    def apply(grads, trainable_variables=None):
+        grads = list(grads)
+        variables = (list(trainable_variables) if trainable_variables is not None
+                     else list(optimizer._trainable_variables))
+        record(grads, variables)
+        return original(grads, trainable_variables)
+
+    object.__setattr__(optimizer, "apply", apply)
+    return lambda: object.__delattr__(optimizer, "apply")

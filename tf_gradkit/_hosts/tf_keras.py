@@ -310,3 +310,18 @@ def layer_kinds():
         "layer_norm": (layers.LayerNormalization,),
         "batch_norm": (layers.BatchNormalization,),
     }
+
+
+def watch_applied_gradients(optimizer, record):
+    """Makes ``record(grads, variables)`` see every gradient ``optimizer``
+    applies (tf_keras: its ``apply_gradients``, which ``minimize`` and
+    wrappers call). Returns the function that removes the watch."""
+    original = optimizer.apply_gradients
+
+    def apply_gradients(grads_and_vars, *args, **kwargs):
+        pairs = list(grads_and_vars)
+        record([g for g, _ in pairs], [v for _, v in pairs])
+        return original(pairs, *args, **kwargs)
+
+    object.__setattr__(optimizer, "apply_gradients", apply_gradients)
+    return lambda: object.__delattr__(optimizer, "apply_gradients")

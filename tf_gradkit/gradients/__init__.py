@@ -2,6 +2,7 @@
 gradient hooks, weighted aggregation, backward-pass cost and precise
 batch-norm statistics. Importing this module imports no Keras."""
 
+from tf_gradkit._algorithms.precise_bn import recompute_batch_norm_statistics
 from tf_gradkit.gradients.aggregation import weighted_average
 from tf_gradkit.gradients.cost import BackwardCost, backward_cost
 from tf_gradkit.gradients.jacobians import gradient_of, jacobian, layer_jacobian
@@ -16,5 +17,6 @@ __all__ = [
     "layer_jacobian",
     "per_example_gradient_norms",
     "per_example_gradients",
+    "recompute_batch_norm_statistics",
     "weighted_average",
 ]

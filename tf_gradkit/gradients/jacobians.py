@@ -19,7 +19,7 @@ import contextlib
 import tensorflow as tf
 
 from tf_gradkit.core.lm import linearize as lin_lib
-from tf_gradkit.gradients import _taps
+from tf_gradkit import _layer_taps as _taps
 
 __all__ = ["jacobian", "layer_jacobian", "gradient_of"]
 

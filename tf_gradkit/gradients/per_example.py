@@ -15,7 +15,7 @@ pass. This is what DP-SGD needs to clip (docs/gradients.md, examples/dp_sgd.py).
 import tensorflow as tf
 
 from tf_gradkit.core import ghost_norms
-from tf_gradkit.gradients import _taps
+from tf_gradkit import _layer_taps as _taps
 
 __all__ = ["per_example_gradients", "per_example_gradient_norms"]
 

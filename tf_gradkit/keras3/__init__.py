@@ -9,5 +9,6 @@ Every public class is made here from its algorithm and this flavour's host
 from tf_gradkit import _hosts
 from tf_gradkit._hosts import keras3 as _host
 from tf_gradkit.keras3 import layers
+from tf_gradkit.keras3 import callbacks  # noqa: F401  (gk.callbacks)
 
 __all__ = _hosts.publish(globals(), _host, __name__, layers)

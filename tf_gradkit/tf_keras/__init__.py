@@ -10,5 +10,6 @@ Every public class is made here from its algorithm and this flavour's host
 from tf_gradkit import _hosts
 from tf_gradkit._hosts import tf_keras as _host
 from tf_gradkit.tf_keras import layers
+from tf_gradkit.tf_keras import callbacks  # noqa: F401  (gk.callbacks)
 
 __all__ = _hosts.publish(globals(), _host, __name__, layers)

@@ -1,0 +1,17 @@
+"""keras3's callbacks: the algorithms of `tf_gradkit._algorithms` on
+``keras.callbacks.Callback``."""
+
+import keras
+
+from tf_gradkit._algorithms import precise_bn as _precise_bn
+from tf_gradkit._algorithms import update_monitor as _update_monitor
+
+__all__ = ["PreciseBatchNorm", "UpdateMonitor"]
+
+
+class UpdateMonitor(_update_monitor.UpdateMonitor, keras.callbacks.Callback):
+    __doc__ = _update_monitor.UpdateMonitor.__doc__
+
+
+class PreciseBatchNorm(_precise_bn.PreciseBatchNorm, keras.callbacks.Callback):
+    __doc__ = _precise_bn.PreciseBatchNorm.__doc__
