@@ -28,9 +28,11 @@ __all__ = [
     "LeastSquaresResult",
     "least_squares",
     "solve_least_squares",
+    "callbacks",
     "constraints",
     "core",
     "distribute",
+    "gradients",
     "keras3",
     "layers",
     "optimizers",
@@ -100,8 +102,8 @@ def load_optimizer_state(model, saved_model_dir):
     return model
 
 
-_LAZY_SUBMODULES = ("constraints", "core", "distribute", "keras3", "layers", "optimizers",
-                    "pruning", "tf_keras")
+_LAZY_SUBMODULES = ("callbacks", "constraints", "core", "distribute", "gradients",
+                    "keras3", "layers", "optimizers", "pruning", "tf_keras")
 
 
 def __getattr__(name):

@@ -11,9 +11,12 @@ which layers exist is the active flavour's host (`_hosts.<flavour>.layer_kinds`)
 import contextlib
 import importlib
 
+import tensorflow as tf
+
 from tf_gradkit import _flavour
 
 
+@tf.autograph.experimental.do_not_convert
 def layer_kinds():
     """The active flavour's kind -> layer classes (`_hosts.*.layer_kinds`)."""
     host = importlib.import_module(f"tf_gradkit._hosts.{_flavour.active_flavour()}")

@@ -24,6 +24,8 @@ both Keras flavours' BatchNormalization and subclasses (tf_gradkit's
 AccumBatchNormalization, SyncBatchNormalization).
 """
 
+import contextlib
+
 import tensorflow as tf
 
 from tf_gradkit.core import batch_stats
@@ -107,7 +109,6 @@ class _stack:
     """Taps ``on_call_for(layer)`` on every layer of ``layers``."""
 
     def __init__(self, layers, on_call_for):
-        import contextlib  # noqa: PLC0415
         self._exit = contextlib.ExitStack()
         self._layers, self._on_call_for = layers, on_call_for
 

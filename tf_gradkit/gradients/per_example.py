@@ -12,6 +12,8 @@ activations plus ``B`` numbers per layer; its cost is about one backward
 pass. This is what DP-SGD needs to clip (docs/gradients.md, examples/dp_sgd.py).
 """
 
+import contextlib
+
 import tensorflow as tf
 
 from tf_gradkit.core import ghost_norms
@@ -169,7 +171,6 @@ class _Taps:
         self.rules, self.records, self._stack = rules, records, None
 
     def __enter__(self):
-        import contextlib  # noqa: PLC0415
         self._stack = contextlib.ExitStack()
         for layer, kind in self.rules:
             log = self.records[id(layer)]
