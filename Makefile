@@ -40,7 +40,8 @@ EXAMPLES := accumulate_fit \
 	constrained_classifier \
 	pruning_workflow \
 	pruning_keras3 \
-	pinn_poisson
+	pinn_poisson \
+	dp_sgd
 # These start worker processes on loopback ports: one at a time.
 MULTIPROCESS_EXAMPLES := multiworker_fit parameter_server
 
