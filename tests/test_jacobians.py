@@ -58,16 +58,17 @@ def test_jacobian_with_respect_to_a_tensor_and_unconnected_inputs():
 
 
 def _model(K):
+    """A float64 model. Each layer says its dtype: Keras 3 fixes its global
+    dtype policy at the first layer built in the process, so set_floatx
+    would not reach layers built after other tests."""
     K.utils.set_random_seed(0)
-    K.backend.set_floatx("float64")
-    try:
-        inp = K.Input((3,))
-        h1 = K.layers.Dense(4, activation="tanh", name="h1")(inp)
-        h2 = K.layers.Dense(3, activation="tanh", name="h2")(h1)
-        out = K.layers.Dense(2, name="out")(h2)
-        return K.Model(inp, out)
-    finally:
-        K.backend.set_floatx("float32")
+    inp = K.Input((3,), dtype="float64")
+    h1 = K.layers.Dense(4, activation="tanh", name="h1", dtype="float64")(inp)
+    h2 = K.layers.Dense(3, activation="tanh", name="h2", dtype="float64")(h1)
+    out = K.layers.Dense(2, name="out", dtype="float64")(h2)
+    model = K.Model(inp, out)
+    assert all(v.dtype == tf.float64 for v in model.trainable_variables)
+    return model
 
 
 def test_layer_jacobians_equal_gradient_tape_and_finite_differences(K, mode):

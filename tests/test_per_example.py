@@ -62,6 +62,26 @@ def _models(K):
                       K.layers.LayerNormalization(), K.layers.Flatten(),
                       K.layers.Dense(2)]),
         ids, rng.normal(size=(6, 2)), mse)
+    out["layer_norm_axes"] = (
+        K.Sequential([K.Input((4, 5)), K.layers.Dense(6),
+                      K.layers.LayerNormalization(axis=[1, 2]), K.layers.Flatten(),
+                      K.layers.Dense(2)]),
+        rng.normal(size=(5, 4, 5)), rng.normal(size=(5, 2)), mse)
+    # BatchNormalization at inference: an affine map with the moving
+    # statistics (set away from 0/1 so that they matter).
+    bn = K.layers.BatchNormalization()
+    model = K.Sequential([K.Input((6, 6, 2)), K.layers.Conv2D(3, 3), bn,
+                          K.layers.Flatten(), K.layers.Dense(2)])
+    bn.moving_mean.assign(rng.normal(size=3).astype("float32"))
+    bn.moving_variance.assign(rng.uniform(0.5, 2.0, size=3).astype("float32"))
+    bn.gamma.assign(rng.uniform(0.5, 1.5, size=3).astype("float32"))
+    out["batch_norm_inference"] = (model, rng.normal(size=(5, 6, 6, 2)),
+                                   rng.normal(size=(5, 2)), mse)
+    # A frozen layer: its variables are not among the norms' variables.
+    out["frozen"] = (K.Sequential([K.Input((5,)), K.layers.Dense(4, trainable=False),
+                                   K.layers.Dense(3, activation="tanh"),
+                                   K.layers.Dense(1)]),
+                     rng.normal(size=(4, 5)), rng.normal(size=(4, 1)), mse)
     # One Dense applied twice (a shared layer): its gradients add up.
     inp = K.Input((3,))
     shared = K.layers.Dense(3, activation="tanh")
@@ -70,7 +90,8 @@ def _models(K):
     return out
 
 
-CASES = ["dense", "dense_sequence", "conv2d", "conv1d", "embedding_layer_norm", "shared"]
+CASES = ["dense", "dense_sequence", "conv2d", "conv1d", "embedding_layer_norm",
+         "layer_norm_axes", "batch_norm_inference", "frozen", "shared"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -78,11 +99,16 @@ def test_norms_equal_a_loop_of_single_example_tapes(K, case, mode):
     model, x, y, loss_fn = _models(K)[case]
     x = tf.constant(x, "int32" if x.dtype.kind == "i" else "float32")
     y = tf.constant(y, "float32")
-    _, want = _loop(model, loss_fn, x, y)
+    grads, want = _loop(model, loss_fn, x, y)
     norms_fn = compile_fn(lambda x, y: per_example_gradient_norms(
-        model, loss_fn, x, y, training=False, per_layer=True), mode)
-    norms, by_layer = norms_fn(x, y)
+        model, loss_fn, x, y, training=False, per_layer=True, per_variable=True), mode)
+    norms, by_layer, by_variable = norms_fn(x, y)
     np.testing.assert_allclose(norms.numpy(), want, rtol=RTOL)
+    # Each variable's norms, in model.trainable_variables' order.
+    assert len(by_variable) == len(model.trainable_variables)
+    for j, got in enumerate(by_variable):
+        ref = np.array([np.sqrt(np.sum(np.square(g[j].astype("float64")))) for g in grads])
+        np.testing.assert_allclose(got.numpy(), ref, rtol=RTOL, atol=RTOL * ref.max())
     # The per-layer norms add up (in squares) to the total.
     np.testing.assert_allclose(sum(np.square(v.numpy()) for v in by_layer.values()),
                                np.square(norms.numpy()), rtol=RTOL)
@@ -119,9 +145,10 @@ def test_layers_without_a_rule_are_refused_by_name(K):
     model = K.Sequential([K.Input((3,)), K.layers.Dense(4),
                           K.layers.BatchNormalization(name="bn"), K.layers.Dense(1)])
     loss_fn = lambda y, p: tf.reduce_sum(tf.square(y - p), -1)  # noqa: E731
-    with pytest.raises(ValueError, match=r"layer\(s\) \['bn'\].*BatchNormalization "
-                                         r"mixes the examples"):
+    with pytest.raises(ValueError, match=r"layer\(s\) \['bn'\]\. bn: training=True.*"
+                                         r"mixes the examples.*Pass training=False"):
         per_example_gradient_norms(model, loss_fn, x, y)
+    per_example_gradient_norms(model, loss_fn, x, y, training=False)  # covered
     rnn = K.Sequential([K.Input((2, 3)), K.layers.SimpleRNN(2, name="rnn"),
                         K.layers.Dense(1)])
     with pytest.raises(ValueError, match=r"\['rnn'\].*use per_example_gradients"):
@@ -130,6 +157,19 @@ def test_layers_without_a_rule_are_refused_by_name(K):
     dense = model.layers[0]
     assert "call" not in dense.__dict__
     assert dense.activation is K.activations.get(None) or dense.activation.__name__ == "linear"
+
+
+def test_variables_a_rule_does_not_name_are_refused(K):
+    """Keras 3's LoRA: the Dense's trainable variables are its LoRA factors,
+    which the Dense rule (kernel, bias) does not cover."""
+    dense = K.layers.Dense(3, name="lora_dense")
+    model = K.Sequential([K.Input((4,)), dense])
+    if not hasattr(dense, "enable_lora"):
+        pytest.skip("this Keras has no LoRA")
+    dense.enable_lora(2)
+    loss_fn = lambda y, p: tf.reduce_sum(tf.square(y - p), -1)  # noqa: E731
+    with pytest.raises(ValueError, match=r"\['lora_dense'\]"):
+        per_example_gradient_norms(model, loss_fn, tf.ones([2, 4]), tf.ones([2, 3]))
 
 
 def test_per_example_gradients_bad_input():

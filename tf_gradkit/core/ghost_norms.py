@@ -23,7 +23,14 @@ optimization on large model at small cost" (book-keeping), 2023.
 import tensorflow as tf
 
 __all__ = ["matmul_sq_norms", "bias_sq_norms", "embedding_sq_norms",
-           "conv_patches"]
+           "conv_patches", "scale_shift_grads", "sq_norms", "working_dtype"]
+
+
+def working_dtype(dtype):
+    """float32 for half-precision inputs (a mixed-precision model's taps),
+    else ``dtype``: squared norms overflow float16 quickly."""
+    dtype = tf.as_dtype(dtype)
+    return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
 
 
 def _rows(t):
@@ -35,7 +42,8 @@ def _rows(t):
 def matmul_sq_norms(a, g):
     """``||a_i^T g_i||_F^2`` for ``a [B, ..., d]`` and ``g [B, ..., p]``
     with the same middle axes: a kernel's per-example squared norms."""
-    a, g = _rows(a), _rows(tf.cast(g, a.dtype))
+    dtype = working_dtype(a.dtype)
+    a, g = _rows(tf.cast(a, dtype)), _rows(tf.cast(g, dtype))
     if a.shape[1] == 1:
         return tf.reduce_sum(tf.square(a), [1, 2]) * tf.reduce_sum(tf.square(g), [1, 2])
     rows = a.shape[1]
@@ -49,6 +57,7 @@ def matmul_sq_norms(a, g):
 
 def bias_sq_norms(g):
     """``||sum_t g_it||^2``: a bias's per-example squared norms."""
+    g = tf.cast(g, working_dtype(g.dtype))
     return tf.reduce_sum(tf.square(tf.reduce_sum(_rows(g), 1)), 1)
 
 
@@ -59,7 +68,7 @@ def embedding_sq_norms(ids, g):
     ``||G_i||^2 = sum_{t,s} [ids_it == ids_is] (g_it . g_is)``.
     """
     ids = tf.reshape(ids, [tf.shape(ids)[0], -1])
-    g = _rows(g)
+    g = _rows(tf.cast(g, working_dtype(g.dtype)))
     same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), g.dtype)
     return tf.reduce_sum(same * tf.einsum("btp,bsp->bts", g, g), [1, 2])
 
@@ -75,3 +84,41 @@ def conv_patches(inputs, kernel_size, strides, padding, dilation_rate):
         rates=[1, dilation_rate[0], dilation_rate[1], 1],
         padding=padding.upper())
     return _rows(patches)
+
+
+def scale_shift_grads(normalized, g, param_axes):
+    """Example ``i``'s gradients of ``gamma`` and ``beta`` in
+    ``y = gamma * xhat + beta`` (LayerNormalization; BatchNormalization at
+    inference, where ``xhat`` uses the moving statistics).
+
+    ``gamma`` varies along ``param_axes`` of ``xhat [B, ...]`` and is shared
+    along the others, so ``dL_i/dgamma = sum_{shared} g_i * xhat_i`` and
+    ``dL_i/dbeta = sum_{shared} g_i``: small (``B x`` the parameter's size),
+    so they are formed, and a layer called several times adds them up before
+    they are squared (`sq_norms`).
+
+    Args:
+      normalized: ``xhat``, ``[B, ...]``.
+      g: ``dL/dy``, the same shape.
+      param_axes: axes (>= 1, or negative) along which the parameters vary.
+
+    Returns:
+      ``(gamma_grads, beta_grads)``, each ``[B, *parameter shape]``.
+    """
+    dtype = working_dtype(normalized.dtype)
+    normalized, g = tf.cast(normalized, dtype), tf.cast(g, dtype)
+    rank = normalized.shape.rank
+    kept = {a % rank for a in param_axes}
+    if 0 in kept:
+        raise ValueError("scale_shift_grads: `param_axes` must not contain the "
+                         f"batch axis 0. Received: param_axes={param_axes!r}")
+    shared = [a for a in range(1, rank) if a not in kept]
+    if not shared:
+        return g * normalized, g
+    return tf.reduce_sum(g * normalized, shared), tf.reduce_sum(g, shared)
+
+
+def sq_norms(per_example):
+    """``||t_i||^2`` of a ``[B, ...]`` tensor of per-example gradients."""
+    per_example = tf.cast(per_example, working_dtype(per_example.dtype))
+    return tf.reduce_sum(tf.square(tf.reshape(per_example, [tf.shape(per_example)[0], -1])), 1)

@@ -6,18 +6,25 @@
 `per_example_gradient_norms` never forms them. One forward pass taps every
 supported layer's input and pre-activation output, one backward pass of the
 *summed* per-example losses gives each example's output gradient ``g_i``,
-and `core.ghost_norms` turns ``(a_i, g_i)`` into ``||dL_i/dW||^2`` for
-Dense, Conv1D/Conv2D, Embedding and LayerNormalization. Its memory is the
-activations plus ``B`` numbers per layer; its cost is about one backward
-pass. This is what DP-SGD needs to clip (docs/gradients.md, examples/dp_sgd.py).
+and each layer kind's rule (`norm_rules`, math in `core.ghost_norms`)
+turns ``(a_i, g_i)`` into ``||dL_i/dW||^2`` for Dense, Conv1D/Conv2D,
+Embedding, LayerNormalization and BatchNormalization at inference. Its
+memory is the activations plus ``B`` numbers per variable; its cost is
+about one backward pass. This is what DP-SGD needs to clip
+(docs/gradients.md, examples/dp_sgd.py).
+
+Trainable variables that no rule covers are refused (naming their layers),
+not silently computed another way: the caller chooses between
+`per_example_gradients` for such a model (memory ``B x P``) and freezing
+or replacing the layer.
 """
 
 import contextlib
 
 import tensorflow as tf
 
-from tf_gradkit.core import ghost_norms
 from tf_gradkit import _layer_taps as _taps
+from tf_gradkit.gradients.norm_rules import RULES
 
 __all__ = ["per_example_gradients", "per_example_gradient_norms"]
 
@@ -70,58 +77,51 @@ def per_example_gradients(loss_fn, variables, batch):
 
 
 def per_example_gradient_norms(model, loss_fn, x, y, sample_weight=None,
-                               training=True, per_layer=False):
+                               training=True, per_layer=False,
+                               per_variable=False):
     """``||dL_i/dtheta||`` for each example, without per-example gradients.
+
+    Valid only when the examples of the batch do not interact in the
+    forward pass: then example ``i``'s rows of each layer's output gradient,
+    taken from the *sum* of the per-example losses, are ``dL_i/dz_i``.
 
     Args:
       model: a Keras model (either flavour) whose trainable layers are
-        Dense, Conv1D, Conv2D (channels last, ``groups=1``), Embedding or
-        LayerNormalization, possibly nested. Other trainable layers are
-        refused (use `per_example_gradients`).
+        Dense, Conv1D, Conv2D (channels last, ``groups=1``), Embedding,
+        LayerNormalization or BatchNormalization (only with
+        ``training=False``), possibly nested or shared. Other trainable
+        layers are refused (use `per_example_gradients`).
       loss_fn: ``loss_fn(y, y_pred) -> [B]`` (or ``[B, ...]``, summed per
         example): per-example losses, e.g. a Keras loss built with
         ``reduction="none"``.
       x, y: the batch.
       sample_weight: optional ``[B]`` weights multiplying each example's loss.
-      training: passed to the model (dropout stays per example; a
-        BatchNormalization in training mode mixes examples and is refused).
+      training: passed to the model (dropout stays per example).
       per_layer: also return ``{layer name: [B] norms}``.
+      per_variable: also return a list of ``[B]`` norms, one per variable of
+        ``model.trainable_variables``, in that order.
 
     Returns:
-      ``[B]`` norms over all trainable variables of the model (and the
-      per-layer dict when ``per_layer``).
+      ``[B]`` norms over all trainable variables of the model; with
+      ``per_layer`` and/or ``per_variable``, a tuple ``(norms, by_layer)``,
+      ``(norms, by_variable)`` or ``(norms, by_layer, by_variable)``.
 
     Raises:
-      ValueError: a trainable variable that no rule covers, naming its layer.
+      ValueError: trainable variables that no rule covers (naming their
+        layers and why), e.g. a BatchNormalization with ``training=True``.
+
+    Example:
+
+    >>> import tensorflow as tf
+    >>> K = tf.keras
+    >>> model = K.Sequential([K.Input((3,)), K.layers.Dense(2)])
+    >>> loss = K.losses.MeanSquaredError(reduction="none")
+    >>> per_example_gradient_norms(model, loss, tf.ones([4, 3]), tf.zeros([4, 2])).shape
+    TensorShape([4])
     """
-    kinds = _taps.layer_kinds()
-    rules, covered = [], set()
-    for layer in _taps.flat_layers(model):
-        if not layer.trainable or not layer.trainable_weights:
-            continue
-        kind = _taps.kind_of(layer, kinds)
-        if kind in RULES and not (kind == "batch_norm"):
-            if kind == "conv" and not _conv_supported(layer):
-                continue
-            rules.append((layer, kind))
-            covered.update(id(_ref(v)) for v in layer.trainable_weights)
-    missing = [v for v in model.trainable_variables if id(_ref(v)) not in covered]
-    if missing:
-        owners = sorted({_owner(model, v) for v in missing})
-        hint = (" BatchNormalization mixes the examples of a batch in training, so "
-                "no example has a gradient of its own: pass training=False or use "
-                "LayerNormalization/GroupNormalization." if any(
-                    _taps.kind_of(layer, kinds) == "batch_norm"
-                    for layer in _taps.flat_layers(model) if layer.name in owners)
-                else "")
-        raise ValueError(
-            "per_example_gradient_norms: no per-example norm rule for the "
-            f"trainable variables of layer(s) {owners}. Rules exist for Dense, "
-            "Conv1D/Conv2D (channels_last, groups=1), Embedding and "
-            "LayerNormalization; for other layers use per_example_gradients "
-            f"(vectorised, memory B x parameters).{hint}")
-    records = {id(layer): [] for layer, _ in rules}
-    with _Taps(rules, records):
+    plan = _plan(model, training)
+    records = {id(layer): [] for layer, _ in plan}
+    with _Taps(plan, records):
         with tf.GradientTape() as tape:
             y_pred = model(x, training=training)
             losses = tf.convert_to_tensor(loss_fn(y, y_pred))
@@ -130,51 +130,87 @@ def per_example_gradient_norms(model, loss_fn, x, y, sample_weight=None,
             if sample_weight is not None:
                 losses = losses * tf.cast(tf.reshape(sample_weight, [-1]), losses.dtype)
             total = tf.reduce_sum(losses)
-        outputs = [r["output"] for layer, _ in rules for r in records[id(layer)]]
+        outputs = [r["output"] for layer, _ in plan for r in records[id(layer)]]
         grads = tape.gradient(total, outputs,
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
     grads = iter(grads)
-    squared, by_layer = [], {}
-    for layer, kind in rules:
+    trainable = {id(v) for v in model.trainable_variables}
+    by_id, by_layer = {}, {}
+    for layer, rule in plan:
         calls = [(r, next(grads)) for r in records[id(layer)]]
-        if not calls:
+        if not calls:  # not called in this forward pass: zero gradients
             continue
-        sq = RULES[kind](layer, calls)
-        squared.append(sq)
-        by_layer[layer.name] = tf.sqrt(sq)
-    norms = tf.sqrt(tf.add_n(squared)) if squared else tf.zeros(
-        [tf.shape(tf.nest.flatten(x)[0])[0]])
-    return (norms, by_layer) if per_layer else norms
+        layer_sq = []
+        for variable, sq in zip(rule.variables(layer), rule.sq_norms(layer, calls)):
+            if id(variable) in trainable:
+                by_id[id(variable)] = by_id.get(id(variable), 0.0) + sq
+                layer_sq.append(sq)
+        if layer_sq:
+            by_layer[layer.name] = tf.sqrt(tf.add_n(layer_sq))
+    batch = tf.shape(tf.nest.flatten(x)[0])[0]
+    squared = list(by_id.values())
+    norms = tf.sqrt(tf.add_n(squared)) if squared else tf.zeros([batch])
+    extra = []
+    if per_layer:
+        extra.append(by_layer)
+    if per_variable:
+        extra.append([tf.sqrt(by_id[id(v)]) if id(v) in by_id else
+                      tf.zeros_like(norms) for v in model.trainable_variables])
+    return (norms, *extra) if extra else norms
 
 
-def _ref(v):
-    return getattr(v, "value", v) if not isinstance(v, tf.Variable) else v
+def _plan(model, training):
+    """``[(layer, rule)]`` for the layers whose taps and rules give every
+    trainable variable's norms; refuses (naming the layers) if some are left."""
+    kinds = _taps.layer_kinds()
+    plan, covered, refused = [], set(), {}
+    for layer in _taps.flat_layers(model):
+        if not layer.trainable or not layer.trainable_weights:
+            continue
+        rule = RULES.get(_taps.kind_of(layer, kinds))
+        if rule is None:
+            continue
+        why_not = rule.supports(layer, training)
+        if why_not:
+            refused[layer.name] = why_not
+            continue
+        plan.append((layer, rule))
+        covered.update(id(v) for v in rule.variables(layer))
+    missing = [v for v in model.trainable_variables if id(v) not in covered]
+    if missing:
+        owners = sorted({_owner(model, v) for v in missing})
+        reasons = "".join(f" {name}: {refused[name]}." for name in owners
+                          if name in refused)
+        raise ValueError(
+            "per_example_gradient_norms: no per-example norm rule for the "
+            f"trainable variables of layer(s) {owners}.{reasons} Rules exist for "
+            "Dense, Conv1D/Conv2D (channels_last, groups=1), Embedding, "
+            "LayerNormalization and BatchNormalization with training=False; for "
+            "other layers use per_example_gradients (vectorised, memory B x "
+            "parameters), or freeze them (layer.trainable = False).")
+    return plan
 
 
 def _owner(model, variable):
+    """The name of the innermost layer holding ``variable``."""
     for layer in _taps.flat_layers(model):
-        if any(_ref(w) is _ref(variable) for w in layer.trainable_weights) and not \
-                getattr(layer, "layers", None):
+        if not getattr(layer, "layers", None) and any(
+                w is variable for w in layer.trainable_weights):
             return layer.name
     return getattr(variable, "path", getattr(variable, "name", "?"))
 
 
-def _conv_supported(layer):
-    return (getattr(layer, "groups", 1) == 1
-            and getattr(layer, "data_format", "channels_last") == "channels_last")
-
-
 class _Taps:
-    """Installs the taps of every rule's layer (and removes them)."""
+    """Installs the taps each rule asks for (and removes them)."""
 
-    def __init__(self, rules, records):
-        self.rules, self.records, self._stack = rules, records, None
+    def __init__(self, plan, records):
+        self.plan, self.records, self._stack = plan, records, None
 
     def __enter__(self):
         self._stack = contextlib.ExitStack()
-        for layer, kind in self.rules:
+        for layer, rule in self.plan:
             log = self.records[id(layer)]
-            if kind in ("dense", "conv"):
+            if rule.tap == "pre_activation":
                 def on_call(inputs, outputs, log=log):
                     log[-1]["input"] = inputs
                     return outputs
@@ -195,78 +231,3 @@ class _Taps:
 
     def __exit__(self, *exc):
         return self._stack.__exit__(*exc)
-
-
-def _dense(layer, calls):
-    a = tf.concat([_rows(tf.convert_to_tensor(r["input"])) for r, _ in calls], 1)
-    g = tf.concat([_rows(tf.cast(gz, a.dtype)) for _, gz in calls], 1)
-    sq = ghost_norms.matmul_sq_norms(a, g)
-    if getattr(layer, "use_bias", False):
-        sq = sq + ghost_norms.bias_sq_norms(g)
-    return sq
-
-
-def _conv(layer, calls):
-    patches, outs = [], []
-    for record, gz in calls:
-        inputs = tf.convert_to_tensor(record["input"])
-        kernel, strides = tuple(layer.kernel_size), tuple(layer.strides)
-        dilation, padding = tuple(layer.dilation_rate), layer.padding
-        if len(kernel) == 1:  # Conv1D as a 1 x k Conv2D
-            if padding == "causal":
-                inputs = tf.pad(inputs, [[0, 0], [dilation[0] * (kernel[0] - 1), 0],
-                                         [0, 0]])
-                padding = "valid"
-            inputs = inputs[:, None]
-            kernel, strides, dilation = (1,) + kernel, (1,) + strides, (1,) + dilation
-        patches.append(ghost_norms.conv_patches(inputs, kernel, strides, padding,
-                                                dilation))
-        outs.append(_rows(gz))
-    a = tf.concat(patches, 1)
-    g = tf.cast(tf.concat(outs, 1), a.dtype)
-    sq = ghost_norms.matmul_sq_norms(a, g)
-    if getattr(layer, "use_bias", False):
-        sq = sq + ghost_norms.bias_sq_norms(g)
-    return sq
-
-
-def _embedding(layer, calls):
-    ids = tf.concat([tf.reshape(r["input"], [tf.shape(r["input"])[0], -1])
-                     for r, _ in calls], 1)
-    g = tf.concat([_rows(gz) for _, gz in calls], 1)
-    return ghost_norms.embedding_sq_norms(ids, tf.cast(g, tf.float32))
-
-
-def _layer_norm(layer, calls):
-    """y = gamma * xhat + beta: example i's gamma gradient is sum g_i xhat_i
-    over the positions gamma is shared by, beta's sum g_i (summed over calls
-    before squaring: a shared layer's gradients add)."""
-    gammas, betas = [], []
-    for record, gz in calls:
-        inputs = tf.cast(tf.convert_to_tensor(record["input"]), tf.float32)
-        axes = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
-        mean, var = tf.nn.moments(inputs, axes, keepdims=True)
-        normalized = (inputs - mean) * tf.math.rsqrt(var + layer.epsilon)
-        g = tf.cast(gz, tf.float32)
-        rank = len(normalized.shape)
-        axes = sorted(a % rank for a in axes)
-        summed = [a for a in range(1, rank) if a not in axes]
-        gammas.append(tf.reduce_sum(g * normalized, summed) if summed else g * normalized)
-        betas.append(tf.reduce_sum(g, summed) if summed else g)
-    flat = lambda t: tf.reshape(t, [tf.shape(t)[0], -1])  # noqa: E731
-    sq = tf.zeros([tf.shape(gammas[0])[0]])
-    if getattr(layer, "scale", True):
-        sq = sq + tf.reduce_sum(tf.square(flat(tf.add_n(gammas))), 1)
-    if getattr(layer, "center", True):
-        sq = sq + tf.reduce_sum(tf.square(flat(tf.add_n(betas))), 1)
-    return sq
-
-
-def _rows(t):
-    t = tf.convert_to_tensor(t)
-    shape = tf.shape(t)
-    return tf.reshape(t, [shape[0], -1, shape[-1]])
-
-
-RULES = {"dense": _dense, "conv": _conv, "embedding": _embedding,
-         "layer_norm": _layer_norm}
