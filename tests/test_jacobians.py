@@ -130,3 +130,34 @@ def test_gradient_of_reads_and_transforms_the_gradient_through_a_layer(K, mode):
     np.testing.assert_allclose(seen[0].numpy(), tape.gradient(loss, h1).numpy(), rtol=1e-12)
     # The hook is gone after the block.
     assert "call" not in layer.__dict__
+
+
+@pytest.mark.keras_free
+@pytest.mark.parametrize("jac_mode", ["forward", "reverse"])
+def test_jacobian_shapes_scalars_and_dynamic_shapes(jac_mode):
+    x = tf.Variable(2.0, dtype=tf.float64)
+    # A scalar of a scalar, with tf.GradientTape.jacobian's shapes.
+    np.testing.assert_allclose(jacobian(lambda: x ** 3, x, mode=jac_mode).numpy(), 12.0)
+    v = tf.Variable([1.0, 2.0, 3.0], dtype=tf.float64)
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float64)])
+    def of_dynamic(scale):
+        return jacobian(lambda: scale[:, None] * v[None, :], v, mode=jac_mode)
+
+    got = of_dynamic(tf.constant([1.0, -2.0], tf.float64))
+    with tf.GradientTape() as tape:
+        y = tf.constant([1.0, -2.0], tf.float64)[:, None] * v[None, :]
+    np.testing.assert_array_equal(got.numpy(), tape.jacobian(y, v).numpy())
+    with pytest.raises(ValueError, match=r"`mode` must be one of .*Received: mode='fwd'"):
+        jacobian(lambda: v, v, mode="fwd")
+
+
+def test_gradient_of_refuses_a_gradient_of_another_shape(K):
+    model = _model(K)
+    x = tf.ones([2, 3], tf.float64)
+    with gradient_of(model.get_layer("h1"), lambda g: g[:, :2]):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x))
+        with pytest.raises(ValueError, match=r"`fn` must return None or a gradient "
+                                             r"shaped like h1's output .*Received: shape"):
+            tape.gradient(loss, model.trainable_variables)

@@ -46,6 +46,9 @@ def jacobian(fn, wrt, mode="auto"):
     >>> jacobian(lambda: tf.stack([x[0] * x[1], x[0] ** 2]), x).numpy().tolist()
     [[2.0, 1.0], [2.0, 0.0]]
     """
+    if mode not in lin_lib.JACOBIAN_MODES:
+        raise ValueError(f"jacobian: `mode` must be one of {lin_lib.JACOBIAN_MODES}. "
+                         f"Received: mode={mode!r}")
     single = not isinstance(wrt, (list, tuple))
     wrt = [wrt] if single else list(wrt)
     if not wrt:
@@ -59,14 +62,30 @@ def jacobian(fn, wrt, mode="auto"):
             raise ValueError(f"jacobian: `wrt[{i}]` needs a static shape. "
                              f"Received: shape {w.shape}.")
     wrt = [w if isinstance(w, (tf.Variable, tf.Tensor)) else w.value for w in wrt]
-    out_shape = tf.shape(fn())
-    dtype = wrt[0].dtype
-    _, flat = lin_lib.residuals_and_jacobian(fn, wrt, dtype, mode=mode)
+    out_shapes = []
+
+    def output():
+        # The first call (outside any vectorised map) gives the output's shape,
+        # so fn runs no extra time for it.
+        out = tf.convert_to_tensor(fn())
+        if not out_shapes:
+            out_shapes.append(out.shape.as_list() if out.shape.is_fully_defined()
+                              else tf.shape(out))
+        return out
+
+    # The forward/reverse choice is LM's linearisation's, made in one place.
+    _, flat = lin_lib.residuals_and_jacobian(output, wrt, wrt[0].dtype, mode=mode)
     parts = tf.split(flat, [w.shape.num_elements() for w in wrt], axis=1) \
         if len(wrt) > 1 else [flat]
-    jacs = [tf.reshape(p, tf.concat([out_shape, tf.shape(w)], 0))
+    jacs = [tf.cast(tf.reshape(p, _joined(out_shapes[0], w.shape.as_list())), w.dtype)
             for p, w in zip(parts, wrt)]
     return jacs[0] if single else jacs
+
+
+def _joined(out_shape, in_shape):
+    if isinstance(out_shape, list):
+        return out_shape + in_shape
+    return tf.concat([out_shape, tf.constant(in_shape, out_shape.dtype)], 0)
 
 
 def layer_jacobian(model, x, of, wrt=None, mode="auto", training=False):
@@ -151,7 +170,15 @@ def gradient_of(layer, fn):
     def hook(outputs):
         def backward(upstream):
             replaced = fn(upstream)
-            return upstream if replaced is None else tf.convert_to_tensor(replaced)
+            if replaced is None:
+                return upstream
+            replaced = tf.convert_to_tensor(replaced, dtype=upstream.dtype)
+            if not replaced.shape.is_compatible_with(upstream.shape):
+                raise ValueError(
+                    f"gradient_of: `fn` must return None or a gradient shaped like "
+                    f"{getattr(layer, 'name', 'the layer')}'s output "
+                    f"{upstream.shape}. Received: shape {replaced.shape}.")
+            return replaced
         return tf.identity(outputs), backward
 
     def on_call(inputs, outputs):
