@@ -1,12 +1,16 @@
 """UpdateMonitor: per-layer update norms equal the weight deltas computed by
-hand; gradient norms equal those of the gradient applied; accumulators log
-their real updates only."""
+hand, gradient norms equal those of the gradient the optimizer applied (from a
+tape by hand), accumulators log their real updates only, under fit eager,
+graph and XLA, in both flavours."""
+
+import math
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 FIT_MODES = ["eager", "graph", "jit"]
+LAYERS = {"hidden": [0, 1], "out": [2, 3]}  # trainable variable indices per layer
 
 
 def _model(K):
@@ -25,93 +29,142 @@ def _compile(model, optimizer, fit_mode):
                   jit_compile=fit_mode == "jit")
 
 
-class _Deltas:
-    """Records every layer's weights before and after each batch (by hand)."""
+def _sq(arrays):
+    return sum(float(np.sum(np.square(np.asarray(a, np.float64)))) for a in arrays)
 
-    def __init__(self, K, model):
+
+class _ByHand:
+    """Records, around every batch, the weights before and after, the
+    gradient of the mean loss over the batch's examples (a tape, by hand) and
+    the logs the batch reported."""
+
+    def __init__(self, K, model, x, y, batch_size):
         outer = self
+        self.steps, self.logs = [], []
 
         class Recorder(K.callbacks.Callback):
             def on_train_batch_begin(self, batch, logs=None):
+                xb = x[batch * batch_size:(batch + 1) * batch_size]
+                yb = y[batch * batch_size:(batch + 1) * batch_size]
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
+                grads = tape.gradient(loss, model.trainable_variables)
                 outer.before = [w.numpy().copy() for w in model.trainable_variables]
+                outer.grads = [g.numpy() for g in grads]
 
             def on_train_batch_end(self, batch, logs=None):
                 after = [w.numpy().copy() for w in model.trainable_variables]
-                outer.steps.append((outer.before, after))
+                outer.steps.append((outer.before, after, outer.grads))
+                outer.logs.append({k: float(np.asarray(v)) for k, v in (logs or {}).items()})
 
-        self.steps, self.callback = [], Recorder()
+        self.callback = Recorder()
 
 
-def _layer_norm(arrays):
-    return float(np.sqrt(sum(np.sum(np.square(a.astype("float64"))) for a in arrays)))
+def _check_record(record, before, after, grads=None):
+    for name, idx in LAYERS.items():
+        got = record["layers"][name]
+        update = math.sqrt(_sq([after[i] - before[i] for i in idx]))
+        weight = math.sqrt(_sq([before[i] for i in idx]))
+        # float32 weights and deltas: the norms agree to ~1e-7 relative; the
+        # delta of two float32 weights loses a few bits of a 1e-3-sized step.
+        assert got["update_norm"] == pytest.approx(update, rel=1e-4)
+        assert got["weight_norm"] == pytest.approx(weight, rel=1e-6)
+        assert got["update_ratio"] == pytest.approx(update / weight, rel=1e-4)
+        if grads is not None:
+            # The tape's float32 reduction order differs from the step's.
+            want = math.sqrt(_sq([grads[i] for i in idx]))
+            assert got["grad_norm"] == pytest.approx(want, rel=1e-4)
 
 
 @pytest.mark.parametrize("fit_mode", FIT_MODES)
-def test_update_norms_are_the_real_deltas_with_plain_sgd(K, gk, fit_mode):
+def test_adam_update_norms_are_the_real_deltas(K, gk, fit_mode):
     model = _model(K)
     x, y = _data()
-    _compile(model, K.optimizers.SGD(0.1), fit_mode)
-    deltas = _Deltas(K, model)
-    monitor = gk.callbacks.UpdateMonitor(every=1)
+    _compile(model, K.optimizers.Adam(0.01), fit_mode)
+    by_hand = _ByHand(K, model, x, y, 8)
+    monitor = gk.callbacks.UpdateMonitor(every=1, per_layer_logs=True)
     history = model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
-                        callbacks=[deltas.callback, monitor])
-    assert len(monitor.history) == 3
-    names = {"hidden": [0, 1], "out": [2, 3]}
-    for record, (before, after) in zip(monitor.history, deltas.steps):
-        for name, idx in names.items():
-            got = record["layers"][name]
-            want_update = _layer_norm([after[i] - before[i] for i in idx])
-            want_weight = _layer_norm([before[i] for i in idx])
-            # float32 weights: the delta of a 0.1-step is exact to ~1e-7 relative.
-            assert got["update_norm"] == pytest.approx(want_update, rel=1e-5)
-            assert got["weight_norm"] == pytest.approx(want_weight, rel=1e-6)
-            assert got["update_ratio"] == pytest.approx(want_update / want_weight, rel=1e-5)
-            # SGD: the update is lr * gradient, so the gradient norm is update / lr.
-            assert got["grad_norm"] == pytest.approx(want_update / 0.1, rel=1e-4)
-    assert "update_ratio" in history.history or fit_mode  # logs reach the history too
+                        callbacks=[by_hand.callback, monitor])
+    assert [r["step"] for r in monitor.history] == [1, 2, 3]
+    for record, (before, after, grads), logs in zip(monitor.history, by_hand.steps,
+                                                     by_hand.logs):
+        _check_record(record, before, after, grads)
+        layers = record["layers"]
+        # The batch's logs summarise the same update.
+        assert logs["update_ratio"] == pytest.approx(
+            max(v["update_ratio"] for v in layers.values()), rel=1e-6)
+        assert logs["update_norm"] == pytest.approx(
+            math.sqrt(sum(v["update_norm"] ** 2 for v in layers.values())), rel=1e-6)
+        assert logs["grad_norm"] == pytest.approx(
+            math.sqrt(sum(v["grad_norm"] ** 2 for v in layers.values())), rel=1e-6)
+        assert logs["hidden/update_ratio"] == pytest.approx(
+            layers["hidden"]["update_ratio"], rel=1e-6)
+    assert history.history["update_norm"][-1] == pytest.approx(by_hand.logs[-1]["update_norm"])
 
 
-def test_accumulator_logs_only_its_real_updates(K, gk):
+@pytest.mark.parametrize("fit_mode", FIT_MODES)
+def test_accumulator_logs_only_its_real_updates(K, gk, fit_mode):
     model = _model(K)
     x, y = _data(32)
-    _compile(model, gk.GradientAccumulator(K.optimizers.SGD(0.1), steps=2, model=model),
-             "graph")
-    deltas = _Deltas(K, model)
+    _compile(model, gk.GradientAccumulator(K.optimizers.Adam(0.01), steps=2, model=model),
+             fit_mode)
+    by_hand = _ByHand(K, model, x, y, 8)
     monitor = gk.callbacks.UpdateMonitor(every=1)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
-              callbacks=[deltas.callback, monitor])
-    # 4 micro-batches, windows of 2: two real updates, on batches 2 and 4.
+              callbacks=[by_hand.callback, monitor])
+    # 4 micro-batches, windows of 2: real updates on micro-batches 2 and 4 only.
     assert [r["step"] for r in monitor.history] == [1, 2]
-    real = [(b, a) for b, a in deltas.steps
-            if any(np.any(bi != ai) for bi, ai in zip(b, a))]
-    assert len(real) == 2
-    for record, (before, after) in zip(monitor.history, real):
-        want = _layer_norm([after[i] - before[i] for i in (0, 1)])
-        assert record["layers"]["hidden"]["update_norm"] == pytest.approx(want, rel=1e-5)
-        assert record["layers"]["hidden"]["update_norm"] > 0
-        # The gradient logged is the window's, the one SGD applied.
-        assert record["layers"]["hidden"]["grad_norm"] == pytest.approx(want / 0.1, rel=1e-4)
+    changed = [any(np.any(b != a) for b, a in zip(before, after))
+               for before, after, _ in by_hand.steps]
+    assert changed == [False, True, False, True]
+    for record, window in zip(monitor.history, ((0, 1), (2, 3))):
+        before, after, _ = by_hand.steps[window[1]]
+        # The window's gradient: the mean of its two equal micro-batches'.
+        grads = [(g0 + g1) / 2 for g0, g1 in zip(by_hand.steps[window[0]][2],
+                                                   by_hand.steps[window[1]][2])]
+        _check_record(record, before, after, grads)
+    norms = [logs["update_norm"] for logs in by_hand.logs]
+    # No spurious zeros: before the first real update NaN, then the last one's.
+    assert math.isnan(norms[0])
+    assert norms[2] == norms[1] > 0 and norms[3] > 0
 
 
-def test_every_counts_batches_and_tensorboard_gets_scalars(K, gk, tmp_path):
+def test_keras3_gradient_accumulation_steps_counts_real_updates(K, gk):
+    if not hasattr(K.optimizers.Adam(), "gradient_accumulation_steps"):
+        pytest.skip("tf_keras optimizers have no gradient_accumulation_steps")
+    model = _model(K)
+    x, y = _data(32)
+    _compile(model, K.optimizers.Adam(0.01, gradient_accumulation_steps=2), "graph")
+    by_hand = _ByHand(K, model, x, y, 8)
+    monitor = gk.callbacks.UpdateMonitor(every=1)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
+              callbacks=[by_hand.callback, monitor])
+    assert [r["step"] for r in monitor.history] == [1, 2]
+    for record, i in zip(monitor.history, (1, 3)):
+        before, after, _ = by_hand.steps[i]
+        _check_record(record, before, after)
+
+
+def test_every_counts_updates_and_tensorboard_gets_summaries(K, gk, tmp_path):
     model = _model(K)
     x, y = _data(48)
     _compile(model, K.optimizers.Adam(0.01), "graph")
     monitor = gk.callbacks.UpdateMonitor(every=2, log_dir=str(tmp_path))
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[monitor])
-    assert len(monitor.history) == 3  # batches 1, 3, 5 of 6
-    events = list(tmp_path.glob("events.out.tfevents.*"))
-    assert events
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[monitor])
+    # Updates 1, 3, 5 of each 6-batch epoch; read at each epoch's end.
+    assert [r["step"] for r in monitor.history] == [1, 3, 5, 7, 9, 11]
     tags = set()
-    for event in tf.compat.v1.train.summary_iterator(str(events[0])):
+    for event in tf.compat.v1.train.summary_iterator(
+            str(next(tmp_path.glob("events.out.tfevents.*")))):
         for value in event.summary.value:
             tags.add(value.tag)
-    assert "update_monitor/hidden/update_ratio" in tags
-    assert "update_monitor/out/grad_norm" in tags
-    # Training again without the monitor works (its watch is gone).
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
-    leaf = model.optimizer
-    assert "apply" not in leaf.__dict__ and "apply_gradients" not in leaf.__dict__
+    assert {"update_monitor/hidden/update_ratio", "update_monitor/out/grad_norm",
+            "update_monitor/update_ratio"} <= tags
+    # Off again: the model's train step and the optimizer are its own.
+    assert "train_step" not in model.__dict__
+    assert "apply" not in model.optimizer.__dict__
+    assert "apply_gradients" not in model.optimizer.__dict__
+    assert "update_norm" not in model.fit(x, y, batch_size=8, epochs=1, verbose=0).history
 
 
 def test_bad_arguments_are_named(gk):

@@ -99,6 +99,7 @@ class ModelBinding:
         self._bound = []            # weak references to bound optimizers
         self._callback_base = callback_base
         self._hooked = False
+        self._step_wrappers = []    # wrap(step, model) -> step, not optimizers'
         # Per replica, what the train step being traced knows (its batch, the
         # batch size, values bound optimizers record while its loss is
         # computed): keyed by replica id, not thread, because a
@@ -130,6 +131,31 @@ class ModelBinding:
     def of(cls, model):
         return model.__dict__.get(cls._ATTR)
 
+    @classmethod
+    def wrap_step(cls, model, wrap, callback_base):
+        """Puts ``wrap(step, model) -> step`` around ``model``'s train step
+        (outermost) until the returned function is called; the next train
+        function is traced with it (and, once removed, without it)."""
+        binding = model.__dict__.get(cls._ATTR)
+        if binding is None:
+            binding = cls(model, callback_base)
+            object.__setattr__(model, cls._ATTR, binding)
+            binding._wrap_compile(model)
+        binding._step_wrappers.append(wrap)
+        if binding._hooked:
+            _forget_train_function(model)
+        else:
+            binding._install(model)
+
+        def remove():
+            if any(w is wrap for w in binding._step_wrappers):
+                binding._step_wrappers = [w for w in binding._step_wrappers
+                                          if w is not wrap]
+                binding.refresh()
+                _forget_train_function(model)
+
+        return remove
+
     def active(self):
         """Bound optimizers in the model's current chain, outermost first."""
         model = self._model_ref()
@@ -149,7 +175,7 @@ class ModelBinding:
         # it is built (the first fit): until then it may hold a bound one.
         pending = any(_groups_unknown(o) for o in
                       optimizer_chain(getattr(model, "optimizer", None)))
-        keep = pending or bool(self.active())
+        keep = pending or bool(self.active()) or bool(self._step_wrappers)
         if keep and not self._hooked:
             self._install(model)
         elif not keep and self._hooked:
@@ -207,6 +233,8 @@ class ModelBinding:
                 wrap = getattr(optimizer, "_wrap_train_step", None)
                 if wrap is not None:
                     step = wrap(step, model)
+            for wrap in binding._step_wrappers:
+                step = wrap(step, model)
             key = _replica_key()
             previous = binding._steps.get(key)
             binding._steps[key] = {"batch_size": _batch_size(data), "data": data}

@@ -11,6 +11,7 @@ __all__ = ["PreciseBatchNorm", "UpdateMonitor"]
 
 class UpdateMonitor(_update_monitor.UpdateMonitor, keras.callbacks.Callback):
     __doc__ = _update_monitor.UpdateMonitor.__doc__
+    _CALLBACK_BASE = keras.callbacks.Callback
 
 
 class PreciseBatchNorm(_precise_bn.PreciseBatchNorm, keras.callbacks.Callback):

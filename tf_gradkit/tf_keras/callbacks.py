@@ -11,6 +11,7 @@ __all__ = ["PreciseBatchNorm", "UpdateMonitor"]
 
 class UpdateMonitor(_update_monitor.UpdateMonitor, tf_keras.callbacks.Callback):
     __doc__ = _update_monitor.UpdateMonitor.__doc__
+    _CALLBACK_BASE = tf_keras.callbacks.Callback
 
 
 class PreciseBatchNorm(_precise_bn.PreciseBatchNorm, tf_keras.callbacks.Callback):
