@@ -167,6 +167,17 @@ def test_every_counts_updates_and_tensorboard_gets_summaries(K, gk, tmp_path):
     assert "update_norm" not in model.fit(x, y, batch_size=8, epochs=1, verbose=0).history
 
 
+def test_steps_per_execution_monitors_inside_the_compiled_loop(K, gk):
+    model = _model(K)
+    x, y = _data(48)
+    model.compile(optimizer=K.optimizers.SGD(0.1), loss="mse", steps_per_execution=3)
+    monitor = gk.callbacks.UpdateMonitor(every=2)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[monitor])
+    # Six steps in two calls of the train function: updates 1, 3, 5 all seen.
+    assert [r["step"] for r in monitor.history] == [1, 3, 5]
+    assert all(r["layers"]["out"]["update_norm"] > 0 for r in monitor.history)
+
+
 def test_bad_arguments_are_named(gk):
     with pytest.raises(ValueError, match=r"`every` must be an integer >= 1. Received: every=0"):
         gk.callbacks.UpdateMonitor(every=0)
