@@ -1,20 +1,26 @@
 """DP-SGD-style training: per-example clipping from ghost norms, Gaussian noise,
 and a large logical batch from GradientAccumulator.
 
+Run: .venv/bin/python examples/dp_sgd.py   (about 30 s on 2 CPU cores)
+
 Each micro-batch of 64 examples:
 1. `per_example_gradient_norms` gives every example's gradient norm from one
    forward and one backward pass, without per-example gradients;
-2. each example's loss is scaled by ``min(1, C / norm_i)``, so one more
-   backward pass gives the sum of the *clipped* per-example gradients;
+2. each example's loss is scaled by ``min(1, C / norm_i)`` (outside the tape),
+   so one more backward pass gives the sum of the *clipped* per-example
+   gradients (checked below against `per_example_gradients` clipped one by one);
 3. Gaussian noise with standard deviation ``sigma * C / sqrt(k)`` is added
    (k micro-batches per window: the window's noise is ``sigma * C``);
 4. `GradientAccumulator(steps=k)` takes ``(clipped sum + noise) / n`` with
    ``sample_count=n`` and applies ``(sum of all clipped gradients + noise) / N``
    once per logical batch of ``N = k * 64`` examples, as DP-SGD does.
 
+It trains on the same batches without clipping or noise, with clipping only,
+and with clipping and noise (sigma 0.8 and 16), and prints their test
+accuracy beside the best possible (the nearest class centre).
 This example shows the mechanics. It computes no privacy budget (use an
 accountant such as tensorflow-privacy's or Opacus's RDP accountant for
-epsilon). Synthetic data, under a minute on 2 CPU cores.
+epsilon). Synthetic data, no downloads.
 """
 
 import os
@@ -25,18 +31,19 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_gradkit  # noqa: E402
-from tf_gradkit.gradients import per_example_gradient_norms  # noqa: E402
+from tf_gradkit.gradients import per_example_gradient_norms, per_example_gradients  # noqa: E402
 
 K = tf.keras
 CLIP, SIGMA, MICRO, WINDOW, EPOCHS = 1.0, 0.8, 64, 4, 8
+LOUD_SIGMA = 16.0  # noise that costs accuracy, for contrast
+CENTRES = np.random.default_rng(0).normal(scale=0.35, size=(3, 20))
 
 
 def make_data(n, seed):
     """Three Gaussian classes in 20 dimensions, partly overlapping."""
     rng = np.random.default_rng(seed)
-    centres = np.random.default_rng(0).normal(scale=0.35, size=(3, 20))
     y = rng.integers(0, 3, size=n)
-    x = centres[y] + rng.normal(size=(n, 20))
+    x = CENTRES[y] + rng.normal(size=(n, 20))
     return x.astype("float32"), y.astype("int32")
 
 
@@ -46,50 +53,90 @@ def make_model():
                          K.layers.LayerNormalization(), K.layers.Dense(3)])
 
 
-def train(private):
+PER_EXAMPLE = K.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+
+def clip_factors(model, x, y):
+    norms = per_example_gradient_norms(model, PER_EXAMPLE, x, y)
+    return tf.stop_gradient(tf.minimum(1.0, CLIP / (norms + 1e-12))), norms
+
+
+def check_clipped_sum(model, x, y):
+    """The re-weighted backward pass against per-example gradients clipped one
+    by one (float32: agreement to ~1e-6 relative)."""
+    scale, _ = clip_factors(model, x, y)
+    with tf.GradientTape() as tape:
+        total = tf.reduce_sum(scale * PER_EXAMPLE(y, model(x)))
+    fast = tape.gradient(total, model.trainable_variables)
+    grads = per_example_gradients(lambda e: tf.reduce_sum(PER_EXAMPLE(e[1], model(e[0]))),
+                                  model.trainable_variables, (x, y))
+    norms = tf.sqrt(tf.add_n([tf.reduce_sum(tf.reshape(g, [len(x), -1]) ** 2, 1)
+                              for g in grads]))
+    factor = tf.minimum(1.0, CLIP / norms)
+    slow = [tf.tensordot(factor, g, 1) for g in grads]
+    return max(float(tf.reduce_max(tf.abs(f - s)) / tf.reduce_max(tf.abs(s)))
+               for f, s in zip(fast, slow))
+
+
+def train(clip, sigma, x, y):
     model = make_model()
-    per_example = K.losses.SparseCategoricalCrossentropy(from_logits=True,
-                                                         reduction="none")
-    opt = tf_gradkit.optimizers.GradientAccumulator(K.optimizers.SGD(0.5),
-                                                    steps=WINDOW)
+    opt = tf_gradkit.optimizers.GradientAccumulator(K.optimizers.SGD(0.5), steps=WINDOW)
+    clipped = tf.Variable(0.0)
 
     @tf.function(jit_compile=True)
     def step(x, y, seed):
         n = tf.cast(tf.shape(x)[0], tf.float32)
-        if private:
-            norms = per_example_gradient_norms(model, per_example, x, y)
-            scale = tf.stop_gradient(tf.minimum(1.0, CLIP / (norms + 1e-12)))
+        if clip:
+            scale, norms = clip_factors(model, x, y)
+            clipped.assign_add(tf.reduce_sum(tf.cast(norms > CLIP, tf.float32)))
         else:
             scale = tf.ones([tf.shape(x)[0]])
         with tf.GradientTape() as tape:
-            total = tf.reduce_sum(scale * per_example(y, model(x, training=True)))
+            total = tf.reduce_sum(scale * PER_EXAMPLE(y, model(x, training=True)))
         grads = tape.gradient(total, model.trainable_variables)
-        if private:
+        if sigma:
             grads = [g + tf.random.stateless_normal(
-                tf.shape(g), seed=tf.stack([seed, i]), stddev=SIGMA * CLIP / WINDOW ** 0.5)
+                tf.shape(g), seed=tf.stack([seed, i]), stddev=sigma * CLIP / WINDOW ** 0.5)
                 for i, g in enumerate(grads)]
         opt.apply_gradients(zip([g / n for g in grads], model.trainable_variables),
                             sample_count=n)
 
-    x, y = make_data(4096, seed=1)
-    seed = 0
+    seed, seen = 0, 0
     for epoch in range(EPOCHS):
         order = np.random.default_rng(epoch).permutation(len(x))
         for start in range(0, len(x) - MICRO + 1, MICRO):
             idx = order[start:start + MICRO]
             step(tf.constant(x[idx]), tf.constant(y[idx]), tf.constant(seed, tf.int32))
-            seed += 1
-    x_test, y_test = make_data(2000, seed=2)
-    accuracy = np.mean(np.argmax(model(x_test).numpy(), 1) == y_test)
-    return accuracy, int(opt.iterations.numpy())
+            seed, seen = seed + 1, seen + MICRO
+    return test_accuracy(model(X_TEST).numpy()), int(opt.iterations.numpy()), \
+        float(clipped.numpy()) / seen
+
+
+X_TEST, Y_TEST = make_data(4000, seed=2)
+
+
+def test_accuracy(scores):
+    return float(np.mean(np.argmax(scores, 1) == Y_TEST))
 
 
 def main():
-    private, updates = train(private=True)
-    plain, _ = train(private=False)
-    print(f"DP-SGD: clip C={CLIP}, noise sigma={SIGMA}, logical batch "
-          f"{WINDOW} x {MICRO} = {WINDOW * MICRO}, {updates} updates")
-    print(f"test accuracy: private {private:.3f}, non-private (same steps) {plain:.3f}")
+    x, y = make_data(4096, seed=1)
+    model = make_model()
+    error = check_clipped_sum(model, tf.constant(x[:MICRO]), tf.constant(y[:MICRO]))
+    print(f"clipped sum by one re-weighted backward pass vs per-example gradients "
+          f"clipped one by one: max relative difference {error:.1e}")
+    assert error < 1e-4, error
+    plain, updates, _ = train(False, 0.0, x, y)
+    clip_only, _, _ = train(True, 0.0, x, y)
+    private, _, clipped = train(True, SIGMA, x, y)
+    noisier, _, _ = train(True, LOUD_SIGMA, x, y)
+    # Equal isotropic Gaussians: the nearest centre is the best possible rule.
+    bayes = test_accuracy(-np.square(X_TEST[:, None] - CENTRES[None]).sum(-1))
+    print(f"DP-SGD: clip C={CLIP}, logical batch {WINDOW} x {MICRO} = {WINDOW * MICRO}, "
+          f"{updates} updates; {100 * clipped:.0f}% of per-example gradients clipped")
+    print(f"test accuracy: best possible (nearest centre) {bayes:.3f}; non-private "
+          f"{plain:.3f}; clipped only {clip_only:.3f}; DP-SGD sigma={SIGMA} "
+          f"{private:.3f}; sigma={LOUD_SIGMA:g} {noisier:.3f}")
     assert private > 0.6, private  # well above chance (1/3)
 
 
