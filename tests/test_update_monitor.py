@@ -129,6 +129,25 @@ def test_accumulator_logs_only_its_real_updates(K, gk, fit_mode):
     assert norms[2] == norms[1] > 0 and norms[3] > 0
 
 
+@pytest.mark.parametrize("name", ["LevenbergMarquardt", "MagnitudePruning"])
+def test_other_optimizers_log_their_real_updates(K, gk, name):
+    model = _model(K)
+    x, y = _data()
+    optimizer = (gk.LevenbergMarquardt(model) if name == "LevenbergMarquardt"
+                 else gk.MagnitudePruning(K.optimizers.Adam(0.01)))
+    _compile(model, optimizer, "jit")
+    by_hand = _ByHand(K, model, x, y, 8)
+    monitor = gk.callbacks.UpdateMonitor(every=1)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
+              callbacks=[by_hand.callback, monitor])
+    assert len(monitor.history) == 3
+    for record, (before, after, _) in zip(monitor.history, by_hand.steps):
+        _check_record(record, before, after)
+        # LM solves its own step: no gradient is applied, so none is logged.
+        grad = record["layers"]["hidden"]["grad_norm"]
+        assert math.isnan(grad) if name == "LevenbergMarquardt" else grad > 0
+
+
 def test_keras3_gradient_accumulation_steps_counts_real_updates(K, gk):
     if not hasattr(K.optimizers.Adam(), "gradient_accumulation_steps"):
         pytest.skip("tf_keras optimizers have no gradient_accumulation_steps")
