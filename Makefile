@@ -41,7 +41,8 @@ EXAMPLES := accumulate_fit \
 	pruning_workflow \
 	pruning_keras3 \
 	pinn_poisson \
-	dp_sgd
+	dp_sgd \
+	gradient_tools
 # These start worker processes on loopback ports: one at a time.
 MULTIPROCESS_EXAMPLES := multiworker_fit parameter_server
 
