@@ -339,21 +339,9 @@ def constraint_class(set_class):
 
 
 def layer_kinds():
-    """This flavour's layer classes that `tf_gradkit.gradients` has a
-    per-example rule for (or refuses): kind -> classes. "excluded" are
-    subclasses of those classes whose math differs (transposed, depthwise,
-    separable convolutions)."""
-    layers = keras.layers
-    return {
-        "dense": (layers.Dense,),
-        "conv": (layers.Conv1D, layers.Conv2D),
-        "excluded": (layers.Conv1DTranspose, layers.Conv2DTranspose,
-                     layers.DepthwiseConv2D, layers.SeparableConv1D,
-                     layers.SeparableConv2D),
-        "embedding": (layers.Embedding,),
-        "layer_norm": (layers.LayerNormalization,),
-        "batch_norm": (layers.BatchNormalization,),
-    }
+    """This flavour's layer classes the gradient tools know
+    (`protocol.layer_kinds`)."""
+    return protocol.layer_kinds(keras.layers)
 
 
 def watch_applied_gradients(optimizer, record):

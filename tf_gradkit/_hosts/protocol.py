@@ -374,3 +374,20 @@ def constraint_class(set_class, keras, module_name, check_backend):
         "from_config": classmethod(lambda cls, config: cls(**config)),
     })
     return keras.saving.register_keras_serializable(package="tf_gradkit")(cls)
+
+
+def layer_kinds(layers):
+    """kind -> classes of a flavour's ``layers`` module that
+    `tf_gradkit.gradients` has a per-example rule for (or refuses).
+    "excluded" are subclasses of those classes whose math differs
+    (transposed, depthwise and separable convolutions)."""
+    return {
+        "dense": (layers.Dense,),
+        "conv": (layers.Conv1D, layers.Conv2D),
+        "excluded": (layers.Conv1DTranspose, layers.Conv2DTranspose,
+                     layers.DepthwiseConv2D, layers.SeparableConv1D,
+                     layers.SeparableConv2D),
+        "embedding": (layers.Embedding,),
+        "layer_norm": (layers.LayerNormalization,),
+        "batch_norm": (layers.BatchNormalization,),
+    }
