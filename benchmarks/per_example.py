@@ -13,9 +13,15 @@ example's gradient norm):
 
 Each measurement runs in a fresh process: the time is the median of 3 calls
 after a first one (which compiles); the memory is the growth of the
-process's peak resident set (ru_maxrss) over that first call, so it counts
-what each method allocates, compilation included. Ratios are against the
-loop. Run: ``.venv/bin/python benchmarks/per_example.py`` (about 2 minutes).
+process's peak resident set (ru_maxrss, measured: tf.config's memory info
+does not work on CPUs and tracemalloc does not see TensorFlow's allocator)
+over that first call, so it counts what each method allocates, compilation
+included. Beside it, the analytic size of the largest tensor each method
+materialises: the B x P per-example gradients (vectorised), the conv
+patches or Gram matrices of the largest layer (ghost), one example's
+gradients (loop). Ratios are against the loop. With matplotlib installed it
+also writes docs/per_example.png. Run: ``.venv/bin/python
+benchmarks/per_example.py`` (about 3 minutes on 2 CPU cores).
 """
 
 import argparse
@@ -27,6 +33,23 @@ import sys
 import time
 
 METHODS = ("loop", "vectorised", "ghost")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The model's layers: (name, rows T per example, input width d, output width p).
+# conv1: 26x26 positions of 3x3x1 patches -> 16; conv2: 12x12 of 3x3x16 -> 32;
+# dense: 1 row of 4608 -> 10.
+LAYERS = (("conv1", 26 * 26, 9, 16), ("conv2", 12 * 12, 144, 32), ("dense", 1, 4608, 10))
+PARAMS = sum(d * p + p for _, _, d, p in LAYERS)
+
+
+def analytic_mb(method, batch):
+    """The largest tensor a method materialises, in MB (float32)."""
+    if method == "loop":
+        return 4 * PARAMS / 2 ** 20
+    if method == "vectorised":
+        return 4 * batch * PARAMS / 2 ** 20
+    # Ghost: per layer the patches [B, T, d] and either the two T x T Grams or
+    # the [B, d, p] product, whichever `core.ghost_norms` picks (the smaller).
+    return max(4 * batch * max(t * d, min(2 * t * t, d * p)) for _, t, d, p in LAYERS) / 2 ** 20
 
 
 def measure(method, batch):
@@ -81,16 +104,18 @@ def measure(method, batch):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--batches", default="32,128,512")
+    parser.add_argument("--batches", default="32,64,128,256,512")
     parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(measure(args.one[0], int(args.one[1]))))
         return
-    print("CNN 28x28x1, 51k parameters; time: median of 3 calls; memory: peak RSS "
-          "growth over the first call (fresh process each)\n")
-    print("| batch | method | ms | x loop's time | peak MB | x loop's memory |")
-    print("|---:|---|---:|---:|---:|---:|")
+    print(f"CNN 28x28x1, {PARAMS} parameters; time: median of 3 calls; memory: peak RSS "
+          "growth over the first call (fresh process each); largest tensor: analytic\n")
+    print("| batch | method | ms | x loop's time | peak MB | x loop's memory | "
+          "largest tensor MB |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    table = {}
     for batch in (int(b) for b in args.batches.split(",")):
         results = {}
         for method in METHODS:
@@ -103,8 +128,37 @@ def main():
             # The three agree on the norms (a check that they compute the same).
             assert abs(r["norm_sum"] - ref["norm_sum"]) <= 1e-3 * ref["norm_sum"], (method, r)
             print(f"| {batch} | {method} | {r['ms']:.1f} | {r['ms'] / ref['ms']:.3f} | "
-                  f"{r['peak_mb']:.0f} | {r['peak_mb'] / max(ref['peak_mb'], 1.0):.2f} |",
-                  flush=True)
+                  f"{r['peak_mb']:.0f} | {r['peak_mb'] / max(ref['peak_mb'], 1.0):.2f} | "
+                  f"{analytic_mb(method, batch):.1f} |", flush=True)
+        table[batch] = results
+    plot(table)
+
+
+def plot(table):
+    try:
+        import matplotlib  # noqa: PLC0415
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    batches = sorted(table)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for method in METHODS:
+        left.plot(batches, [table[b][method]["ms"] for b in batches], "o-", label=method)
+        right.plot(batches, [table[b][method]["peak_mb"] for b in batches], "o-",
+                   label=method)
+    for ax, label in ((left, "time per call (ms)"), (right, "peak RSS growth (MB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch")
+        ax.set_ylabel(label)
+        ax.legend()
+    left.set_yscale("log")
+    fig.suptitle(f"Per-example gradient norms, CNN with {PARAMS} parameters, CPU")
+    fig.tight_layout()
+    path = os.path.join(ROOT, "docs", "per_example.png")
+    fig.savefig(path, dpi=90)
+    print(f"plot: {path}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """DP-SGD-style training: per-example clipping from ghost norms, Gaussian noise,
 and a large logical batch from GradientAccumulator.
 
-Run: .venv/bin/python examples/dp_sgd.py   (about 30 s on 2 CPU cores)
+Run: .venv/bin/python examples/dp_sgd.py   (about 20 s on 2 CPU cores)
 
 Each micro-batch of 64 examples:
 1. `per_example_gradient_norms` gives every example's gradient norm from one
