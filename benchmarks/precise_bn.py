@@ -7,10 +7,13 @@ the moving averages come from tiny, noisy batches) and momentum 0.99, for 3
 epochs. Then `recompute_batch_norm_statistics` over the training set
 (batches of 256). Three seeds; the median and each seed are printed.
 
-Run: ``.venv/bin/python benchmarks/precise_bn.py`` (needs scikit-learn:
-``pip install -e ".[bench]"``; about a minute).
+Also for training batches 16 and 64 (medians), plotted to docs/precise_bn.png.
+
+Run: ``.venv/bin/python benchmarks/precise_bn.py`` (needs scikit-learn and
+matplotlib: ``pip install -e ".[bench]"``; about two minutes).
 """
 
+import argparse
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -51,23 +54,60 @@ def accuracy(model, x, y):
     return float(np.mean(np.argmax(model.predict(x, verbose=0), 1) == y))
 
 
+def run(batch, seed, train, test):
+    (x, y), (x_test, y_test) = train, test
+    model = cnn(seed)
+    model.compile(optimizer=K.optimizers.Adam(1e-3), jit_compile=True,
+                  loss=K.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=batch, epochs=3, verbose=0)
+    moving = accuracy(model, x_test, y_test)
+    recompute_batch_norm_statistics(model, tf.data.Dataset.from_tensor_slices(x).batch(256))
+    return moving, accuracy(model, x_test, y_test)
+
+
 def main():
-    (x, y), (x_test, y_test) = data()
-    rows = []
-    for seed in range(3):
-        model = cnn(seed)
-        model.compile(optimizer=K.optimizers.Adam(1e-3), jit_compile=True,
-                      loss=K.losses.SparseCategoricalCrossentropy(from_logits=True))
-        model.fit(x, y, batch_size=4, epochs=3, verbose=0)
-        moving = accuracy(model, x_test, y_test)
-        recompute_batch_norm_statistics(model, tf.data.Dataset.from_tensor_slices(x).batch(256))
-        precise = accuracy(model, x_test, y_test)
-        rows.append((moving, precise))
-        print(f"seed {seed}: test accuracy moving averages {moving:.4f}, "
-              f"precise statistics {precise:.4f}", flush=True)
-    moving, precise = np.median(np.array(rows), 0)
-    print(f"median: moving averages {moving:.4f}, precise {precise:.4f}, "
-          f"change {100 * (precise - moving):+.2f} points")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batches", default="4,16,64",
+                        help="training batch sizes; the first is reported per seed")
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args()
+    train, test = data()
+    medians = []
+    for k, batch in enumerate(int(b) for b in args.batches.split(",")):
+        rows = []
+        for seed in range(3):
+            moving, precise = run(batch, seed, train, test)
+            rows.append((moving, precise))
+            if k == 0:
+                print(f"batch {batch}, seed {seed}: test accuracy moving averages "
+                      f"{moving:.4f}, precise statistics {precise:.4f}", flush=True)
+        moving, precise = np.median(np.array(rows), 0)
+        medians.append((batch, moving, precise))
+        print(f"batch {batch}: median moving averages {moving:.4f}, precise {precise:.4f}, "
+              f"change {100 * (precise - moving):+.2f} points", flush=True)
+    if args.no_plot:
+        return
+    try:
+        import matplotlib  # noqa: PLC0415
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    batches = [m[0] for m in medians]
+    ax.plot(batches, [100 * m[1] for m in medians], "o--", label="moving averages")
+    ax.plot(batches, [100 * m[2] for m in medians], "s-", label="precise statistics")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("training batch size")
+    ax.set_ylabel("test accuracy, % (median of 3)")
+    ax.set_title("BatchNormalization statistics on digits (CNN, 3 epochs)")
+    ax.legend()
+    fig.tight_layout()
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "docs", "precise_bn.png")
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

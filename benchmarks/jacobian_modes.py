@@ -1,0 +1,78 @@
+"""Forward against reverse mode for `tf_gradkit.gradients.jacobian`, by shape.
+
+A function from P = 512 inputs to N outputs (a tanh layer, N from 8 to 4096),
+its Jacobian [N, P] in forward mode (P JVPs), reverse mode (N VJPs) and
+"auto" (forward when N >= P, the choice LM's linearisation makes), each
+compiled with XLA; median of 20 calls. Prints the table and plots the times
+against N to docs/jacobian_modes.png (with matplotlib).
+
+Run: ``.venv/bin/python benchmarks/jacobian_modes.py`` (about a minute).
+"""
+
+import os
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import tensorflow as tf  # noqa: E402
+
+from tf_gradkit.gradients import jacobian  # noqa: E402
+
+P = 512
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def median_ms(fn, repeats=20):
+    fn().numpy()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn().numpy()
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def main():
+    x = tf.Variable(tf.random.normal([P]))
+    rows = []
+    print(f"Jacobian of tanh(W x), x with P = {P} elements, XLA, median of 20 calls")
+    print("| N outputs | forward ms | reverse ms | auto ms | auto picks |")
+    print("|---:|---:|---:|---:|---|")
+    for n in (8, 64, 512, 4096):
+        w = tf.random.normal([n, P]) / P ** 0.5
+        fn = lambda: tf.tanh(tf.linalg.matvec(w, x))  # noqa: E731,B023
+        times = {mode: median_ms(tf.function(lambda mode=mode: jacobian(fn, x, mode=mode),
+                                             jit_compile=True))
+                 for mode in ("forward", "reverse", "auto")}
+        picked = "forward" if n >= P else "reverse"
+        rows.append((n, times))
+        print(f"| {n} | {times['forward']:.3f} | {times['reverse']:.3f} | "
+              f"{times['auto']:.3f} | {picked} |", flush=True)
+    try:
+        import matplotlib  # noqa: PLC0415
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ns = [n for n, _ in rows]
+    for mode, style in (("forward", "o--"), ("reverse", "s--"), ("auto", "k-")):
+        ax.plot(ns, [t[mode] for _, t in rows], style, label=mode)
+    ax.axvline(P, color="grey", lw=0.8)
+    ax.text(P * 1.05, ax.get_ylim()[1] * 0.9, "N = P", fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(f"outputs N (inputs P = {P})")
+    ax.set_ylabel("ms per Jacobian")
+    ax.set_title("jacobian(): forward vs reverse mode (XLA, 2-core CPU)")
+    ax.legend()
+    fig.tight_layout()
+    path = os.path.join(ROOT, "docs", "jacobian_modes.png")
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
