@@ -11,16 +11,15 @@ Run: ``.venv/bin/python benchmarks/backward_cost.py`` (about a minute).
 
 import argparse
 import os
-import pathlib
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
 from tf_gradkit.gradients.cost import backward_cost  # noqa: E402
+import plotting  # noqa: E402  (benchmarks/plotting.py)
 
 K = tf.keras
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def models():
@@ -58,13 +57,9 @@ def main():
                   f"{cost.forward_ms:.3f} | {cost.backward_ms:.3f} | "
                   f"{cost.time_ratio:.2f} |", flush=True)
     if not args.no_plot:
-        try:
-            import matplotlib
-        except ImportError:
-            print("matplotlib is not installed: no plot (pip install matplotlib)")
+        plt = plotting.pyplot()
+        if plt is None:
             return
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for name, marker in (("mlp", "o"), ("cnn", "s")):
             pts = [(b, c.flops_ratio, c.time_ratio) for n, b, c in rows if n == name]
@@ -77,10 +72,7 @@ def main():
         ax.set_ylabel("backward / forward")
         ax.set_title("Backward pass cost (XLA, 2-core CPU)")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = ROOT / "docs" / "backward_cost.png"
-        fig.savefig(path, dpi=100)
-        print(f"wrote {path}")
+        plotting.save(fig, "backward_cost.png")
 
 
 if __name__ == "__main__":

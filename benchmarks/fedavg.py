@@ -27,10 +27,10 @@ import tensorflow as tf  # noqa: E402
 
 import tf_gradkit  # noqa: E402
 from tf_gradkit.gradients import weighted_average  # noqa: E402
+import plotting  # noqa: E402  (benchmarks/plotting.py)
 
 SIZES = (10, 20, 40, 80, 850)
 ROUNDS = 500
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def clients():
@@ -98,13 +98,9 @@ def main():
     print("|---|---:|---:|")
     for mode, history in histories.items():
         print(f"| {mode} | {history[-1]:.4f} | {history[-1] - optimum:.4f} |")
-    try:
-        import matplotlib  # noqa: PLC0415
-    except ImportError:
-        print("matplotlib is not installed: no plot")
+    plt = plotting.pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for mode, history in histories.items():
         ax.plot(range(1, ROUNDS + 1), history, label=mode)
@@ -114,10 +110,7 @@ def main():
     ax.set_ylabel("loss on all clients' data")
     ax.set_title("FedAvg: deltas weighted by example counts vs plain mean")
     ax.legend()
-    fig.tight_layout()
-    path = os.path.join(ROOT, "docs", "weighted_aggregation.png")
-    fig.savefig(path, dpi=100)
-    print(f"wrote {path}")
+    plotting.save(fig, "weighted_aggregation.png")
 
 
 if __name__ == "__main__":

@@ -18,9 +18,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import tensorflow as tf  # noqa: E402
 
 from tf_gradkit.gradients import jacobian  # noqa: E402
+import plotting  # noqa: E402  (benchmarks/plotting.py)
 
 P = 512
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def median_ms(fn, repeats=20):
@@ -49,13 +49,9 @@ def main():
         rows.append((n, times))
         print(f"| {n} | {times['forward']:.3f} | {times['reverse']:.3f} | "
               f"{times['auto']:.3f} | {picked} |", flush=True)
-    try:
-        import matplotlib  # noqa: PLC0415
-    except ImportError:
-        print("matplotlib is not installed: no plot")
+    plt = plotting.pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ns = [n for n, _ in rows]
     for mode, style in (("forward", "o--"), ("reverse", "s--"), ("auto", "k-")):
@@ -68,10 +64,7 @@ def main():
     ax.set_ylabel("ms per Jacobian")
     ax.set_title("jacobian(): forward vs reverse mode (XLA, 2-core CPU)")
     ax.legend()
-    fig.tight_layout()
-    path = os.path.join(ROOT, "docs", "jacobian_modes.png")
-    fig.savefig(path, dpi=100)
-    print(f"wrote {path}")
+    plotting.save(fig, "jacobian_modes.png")
 
 
 if __name__ == "__main__":

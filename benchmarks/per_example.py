@@ -31,9 +31,9 @@ import resource
 import subprocess
 import sys
 import time
+import plotting  # noqa: E402  (benchmarks/plotting.py)
 
 METHODS = ("loop", "vectorised", "ghost")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The model's layers: (name, rows T per example, input width d, output width p).
 # conv1: 26x26 positions of 3x3x1 patches -> 16; conv2: 12x12 of 3x3x16 -> 32;
 # dense: 1 row of 4608 -> 10.
@@ -135,13 +135,9 @@ def main():
 
 
 def plot(table):
-    try:
-        import matplotlib  # noqa: PLC0415
-    except ImportError:
-        print("matplotlib is not installed: no plot")
+    plt = plotting.pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
     batches = sorted(table)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for method in METHODS:
@@ -155,9 +151,7 @@ def plot(table):
         ax.legend()
     left.set_yscale("log")
     fig.suptitle(f"Per-example gradient norms, CNN with {PARAMS} parameters, CPU")
-    fig.tight_layout()
-    path = os.path.join(ROOT, "docs", "per_example.png")
-    fig.savefig(path, dpi=90)
+    plotting.save(fig, "per_example.png", dpi=90)
     print(f"plot: {path}")
 
 

@@ -23,6 +23,7 @@ import tensorflow as tf  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 from tf_gradkit.gradients import recompute_batch_norm_statistics  # noqa: E402
+import plotting  # noqa: E402  (benchmarks/plotting.py)
 
 K = tf.keras
 
@@ -87,13 +88,9 @@ def main():
               f"change {100 * (precise - moving):+.2f} points", flush=True)
     if args.no_plot:
         return
-    try:
-        import matplotlib  # noqa: PLC0415
-    except ImportError:
-        print("matplotlib is not installed: no plot")
+    plt = plotting.pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
     fig, ax = plt.subplots(figsize=(6, 3.5))
     batches = [m[0] for m in medians]
     ax.plot(batches, [100 * m[1] for m in medians], "o--", label="moving averages")
@@ -103,11 +100,7 @@ def main():
     ax.set_ylabel("test accuracy, % (median of 3)")
     ax.set_title("BatchNormalization statistics on digits (CNN, 3 epochs)")
     ax.legend()
-    fig.tight_layout()
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "docs", "precise_bn.png")
-    fig.savefig(path, dpi=100)
-    print(f"wrote {path}")
+    plotting.save(fig, "precise_bn.png")
 
 
 if __name__ == "__main__":

@@ -23,13 +23,13 @@ import tensorflow as tf  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import tf_gradkit  # noqa: E402
+import plotting  # noqa: E402  (benchmarks/plotting.py)
 
 K = tf.keras
 # The process's CPU time (all its threads) instead of wall time: on a
 # machine shared with other jobs, wall time measures their load as much as
 # ours. Set UPDATE_MONITOR_WALL=1 for wall time.
 CPU_TIME = os.environ.get("UPDATE_MONITOR_WALL") != "1"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def data():
@@ -86,13 +86,9 @@ def main():
 
     monitor = tf_gradkit.callbacks.UpdateMonitor(every=1)
     model().fit(x, y, batch_size=32, epochs=5, verbose=0, callbacks=[monitor])
-    try:
-        import matplotlib  # noqa: PLC0415
-    except ImportError:
-        print("matplotlib is not installed: no plot")
+    plt = plotting.pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
     steps = [r["step"] for r in monitor.history]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for name in monitor.history[0]["layers"]:
@@ -108,10 +104,7 @@ def main():
         ax.set_xlabel("update")
         ax.legend(fontsize=8)
     fig.suptitle("UpdateMonitor on digits (Adam 1e-3, batch 32, 5 epochs)", fontsize=10)
-    fig.tight_layout()
-    path = os.path.join(ROOT, "docs", "update_monitor.png")
-    fig.savefig(path, dpi=100)
-    print(f"wrote {path}")
+    plotting.save(fig, "update_monitor.png")
 
 
 if __name__ == "__main__":
