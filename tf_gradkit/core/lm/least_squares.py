@@ -233,11 +233,10 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
             v.assign(value)
 
     matrix_free = solver.consumes == solvers_lib.MATRIX_FREE
-    last = []  # the last run's final linearisation (one run: reused)
 
     def run(scaling, controller, start_cost):
-        """One whole solve from the variables' values: (iterations, stop
-        code, damping, the final linearisation, its optimality); the
+        """One whole solve from the variables' values: ``((iterations, stop
+        code, damping, final cost, optimality), final linearisation)``; the
         variables end at its solution."""
 
         def body(it, reason, state, cost):
@@ -283,7 +282,6 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
             maximum_iterations=max_iterations)
         code = tf.where(code == 0, 4, code)
         final = linearize(solver.consumes if matrix_free else solvers_lib.JACOBIAN)
-        last[:] = [final]
         cosine = _optimality(held(final))
         # Not at round-off: the residuals' largest component along a column
         # of J, cosine * |r|, above sqrt(eps) (a zero-residual solution has
@@ -293,14 +291,14 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         far = ((code >= 2) & (code <= 3) & (cosine > STATIONARY_COSINE)
                & (along > tf.sqrt(tf.constant(eps, dtype)))
                & (final.cost > eps * start_cost))
-        return it, tf.where(far, 6, code), state.damping, final.cost, cosine
+        return (it, tf.where(far, 6, code), state.damping, final.cost, cosine), final
 
     def solve():
         if box is not None and not tf.executing_eagerly():
             assign(box.clip(lin_lib.flatten(var_list, dtype)))
         start_cost = cost_fn()
         x0 = lin_lib.flatten(var_list, dtype)
-        out = run(*phases[0], start_cost)
+        out, final = run(*phases[0], start_cost)
         for phase in phases[1:]:
             # The next phase only where this one ended unconverged (iteration
             # limit, no acceptable step, stalled far from a minimum); it
@@ -308,7 +306,7 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
             def another(first=out, phase=phase):
                 x_first = lin_lib.flatten(var_list, dtype)
                 assign(x0)
-                second = run(*phase, start_cost)
+                second, _ = run(*phase, start_cost)
                 cost_first, cost_second = first[3], second[3]
                 better = (cost_second < cost_first) | ~tf.math.is_finite(cost_first)
                 assign(tf.where(better, lin_lib.flatten(var_list, dtype), x_first))
@@ -318,8 +316,8 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
 
             out = tf.cond(out[1] >= 4, another, lambda out=out: out)
         it, code, damping, _, cosine = out
-        final = (linearize(solver.consumes if matrix_free else solvers_lib.JACOBIAN)
-                 if len(phases) > 1 else last[0])
+        if len(phases) > 1:  # the kept phase's point: linearised again there
+            final = linearize(solver.consumes if matrix_free else solvers_lib.JACOBIAN)
         x = lin_lib.flatten(var_list, dtype)
         fun = tf.cast(tf.reshape(residual_fn(), [-1]), dtype)
         mask = (tf.zeros([num_params], tf.int32) if box is None
