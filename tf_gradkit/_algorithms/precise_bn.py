@@ -99,26 +99,20 @@ def recompute_batch_norm_statistics(model, data, num_batches=None):
 
 def _in_call_order(model, layers, x):
     order = []
-    with _stack(layers, lambda layer: (lambda inputs, outputs: (
-            order.append(layer) if layer not in order else None, outputs)[1])):
+
+    def seen(layer):
+        def on_call(inputs, outputs):
+            del inputs
+            if layer not in order:
+                order.append(layer)
+            return outputs
+        return on_call
+
+    with contextlib.ExitStack() as stack:
+        for layer in layers:
+            stack.enter_context(_taps.tapped(layer, seen(layer)))
         model(x, training=False)
     return order + [layer for layer in layers if layer not in order]
-
-
-class _stack:
-    """Taps ``on_call_for(layer)`` on every layer of ``layers``."""
-
-    def __init__(self, layers, on_call_for):
-        self._exit = contextlib.ExitStack()
-        self._layers, self._on_call_for = layers, on_call_for
-
-    def __enter__(self):
-        for layer in self._layers:
-            self._exit.enter_context(_taps.tapped(layer, self._on_call_for(layer)))
-        return self
-
-    def __exit__(self, *exc):
-        return self._exit.__exit__(*exc)
 
 
 def _recompute_one(model, layer, batches):
