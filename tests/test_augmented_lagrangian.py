@@ -61,7 +61,7 @@ def test_dual_update_residual_and_penalty_growth_match_numpy():
     for n, e in zip(new, np_dual(VALUES, KINDS, MULTS, rho)):
         np.testing.assert_allclose(n.numpy(), e, rtol=1e-6)
     s = np.maximum(VALUES[0], -MULTS[0] / rho)
-    residual = max(np.abs(s).max(), np.abs(VALUES[1]).max())
+    residual = np.max([np.abs(s).max(), np.abs(VALUES[1]).max()])
     np.testing.assert_allclose(float(rule.dual_residual(VALUES, KINDS, MULTS, rho)),
                                residual, rtol=1e-6)
     assert float(rule.feasibility_violation(VALUES, KINDS)) == pytest.approx(0.4)

@@ -57,7 +57,7 @@ def _norm_np(w, ord, k=None):
         return np.abs(w).sum()
     if ord == "linf":
         return np.abs(w).max()
-    return max(np.abs(w).max(), np.abs(w).sum() / k)  # k_sparse
+    return np.max([np.abs(w).max(), np.abs(w).sum() / k])  # k_sparse
 
 
 def _matrix_with_gap(m, n, ratio=0.5, seed=0):

@@ -63,9 +63,9 @@ def test_fit_keeps_every_step_feasible(K, gk, mode):
     model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
               callbacks=[Check()])
     assert len(seen) == 18 and int(opt.iterations.numpy()) == 18
-    assert min(m for m, _ in seen) >= 0.0
+    assert np.min([m for m, _ in seen]) >= 0.0
     # Column normalisation in float32: |w|/|w| is 1 to a few ulps (~2.4e-7).
-    assert max(e for _, e in seen) < 1e-6
+    assert np.max([e for _, e in seen]) < 1e-6
     assert float(model.evaluate(x, y, verbose=0)) < before
 
 

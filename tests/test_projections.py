@@ -297,8 +297,8 @@ def test_psd_rejects_non_square():
 MATRIX_PROJECTIONS = {
     "orthogonal": (MP.project_orthogonal,
                    lambda z: np.abs(z.T @ z - np.eye(z.shape[1])).max()),
-    "monotone": (MP.project_monotone, lambda z: max(0.0, -np.diff(z, axis=-1).min())),
-    "psd": (MP.project_psd, lambda z: max(0.0, -np.linalg.eigvalsh(z).min())),
+    "monotone": (MP.project_monotone, lambda z: np.maximum(0.0, -np.diff(z, axis=-1).min())),
+    "psd": (MP.project_psd, lambda z: np.maximum(0.0, -np.linalg.eigvalsh(z).min())),
 }
 
 

@@ -46,7 +46,7 @@ def masks_of(model):
 
 @pytest.mark.parametrize("constraint, check", [
     (C.UnitNorm(axis=0), lambda w: np.abs(np.linalg.norm(w, axis=0) - 1).max()),
-    (C.NonNeg(), lambda w: max(0.0, -float(w.min()))),
+    (C.NonNeg(), lambda w: np.maximum(0.0, -float(w.min()))),
 ])
 def test_projected_inside_mask_aware_is_pruned_and_feasible(mode, constraint, check):
     x, y = data()
