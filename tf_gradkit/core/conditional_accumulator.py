@@ -374,8 +374,11 @@ class ConditionalAccumulator(tf.Module):
         rows = tf.constant(self._shape[0], tf.int64)
         in_range = tf.reduce_all((indices >= 0) & (indices < rows))
         if _in_xla():
-            # Shapes are static here (checked above); an out-of-range row cannot
-            # raise, so `apply_grad` refuses the gradient instead.
+            # Nothing raises when an XLA computation runs, but shapes are known
+            # when it compiles: a reshape refuses unequal row counts then. An
+            # out-of-range row cannot raise: `apply_grad` refuses it instead.
+            values = tf.reshape(values, tf.concat(
+                [tf.shape(indices, out_type=tf.int32), row_shape.as_list()], 0))
             return values, indices, in_range
         checks = [
             tf.debugging.assert_equal(
