@@ -17,6 +17,10 @@ The rule, per accumulator with global step ``s``, sum ``S`` and count ``n``::
     take_grad(k):               if n >= k:  return S / n (or S);  S = 0; n = 0; s += 1
                                 else:       return zeros (state unchanged)
 
+each call atomic (as TF1's kernels, which hold a mutex). ``"MEAN_PER_ROW"``
+divides each row of ``S`` by the number of accepted gradients that held it
+instead (TF1's ``SparseConditionalAccumulator``).
+
 References: TF1 ``ConditionalAccumulator`` / ``AccumulatorApplyGradient`` /
 ``AccumulatorTakeGradient`` (same semantics, blocking take).
 """
@@ -68,11 +72,20 @@ class ConditionalAccumulator(tf.Module):
     * `take_grad` never blocks. It returns ``(value, ready)``; when fewer than
       ``num_required`` gradients are in, ``value`` is zeros and nothing changes.
       (A blocking wait has no meaning inside ``tf.function`` or XLA; call again.)
+    * Like TF1's, `apply_grad` and `take_grad` are atomic, so several threads
+      may share an accumulator: eagerly and in ``tf.function`` they hold a mutex
+      of the instance, under XLA the launch holds the variables. Don't mix an
+      XLA-compiled caller with others *at the same time*: the two locks don't
+      exclude each other.
     * No ``shared_name``: state is this instance's variables. Two instances never
       share state; to share, share the instance.
     * Dense gradients and ``tf.IndexedSlices`` both go into the one accumulator
       (slices are scatter-added; TF1 needs a separate
-      ``SparseConditionalAccumulator``). The result is always dense.
+      ``SparseConditionalAccumulator``). The result is always dense. TF1's
+      sparse accumulator averages each row over the gradients that held it:
+      that is ``reduction="MEAN_PER_ROW"``; ``"MEAN"`` divides every row by the
+      number of gradients (what TF1's dense accumulator does with densified
+      slices, and the true average of the gradients).
     * Counters (`num_accumulated`, `num_dropped`, `global_step`) are int64
       (TF1's ``num_accumulated`` is int32).
     * Everything is ordinary TF ops with XLA kernels, and the state saves and
@@ -83,13 +96,16 @@ class ConditionalAccumulator(tf.Module):
         ``tf.float32`` or ``tf.float64``).
       shape: the fully defined shape of every gradient.
       reduction: ``"MEAN"`` (`take_grad` returns the average of the accepted
-        gradients) or ``"SUM"`` (their sum).
+        gradients), ``"SUM"`` (their sum) or ``"MEAN_PER_ROW"`` (each row of
+        the sum divided by the number of accepted gradients that held it: a
+        dense gradient holds every row, ``tf.IndexedSlices`` the rows they
+        index; rows none held are zero). Needs a ``shape`` of rank >= 1.
       name: optional module name; defaults to ``"conditional_accumulator"``.
 
     Raises:
       TypeError: ``dtype`` is not a floating dtype.
-      ValueError: ``shape`` is not fully defined, or ``reduction`` is not one of
-        ``"MEAN"``, ``"SUM"``.
+      ValueError: ``shape`` is not fully defined, ``reduction`` is not one of
+        ``REDUCTIONS``, or it is ``"MEAN_PER_ROW"`` for a scalar ``shape``.
     """
 
     def __init__(self, dtype, shape, reduction="MEAN", name=None):
