@@ -287,3 +287,22 @@ def test_example_script_runs(capsys):
                    run_name="__main__")
     out = capsys.readouterr().out
     assert "dropped" in out
+
+
+def test_several_calls_in_one_function_take_the_lock_in_turn(mode):
+    # Each call holds the instance's mutex (not under XLA); calls in one
+    # function must take it one after the other, never deadlock, and see each
+    # other's effects in program order.
+    acc = ConditionalAccumulator(tf.float32, [2])
+
+    def step(g):
+        first = acc.apply_grad(g, acc.global_step)
+        second = acc.apply_grad(2.0 * g, acc.global_step)
+        value, ready = acc.take_grad(2)
+        third = acc.apply_grad(g, acc.global_step)
+        return first, second, value, ready, third
+
+    first, second, value, ready, third = compile_fn(step, mode)(tf.constant([1.0, 2.0]))
+    assert bool(first) and bool(second) and bool(ready) and bool(third)
+    np.testing.assert_array_equal(value.numpy(), [1.5, 3.0])
+    assert _state(acc) == (1, 0, 1)

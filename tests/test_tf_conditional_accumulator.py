@@ -556,10 +556,9 @@ def test_sparse_apply_grad_float32(mode):
 
 
 @pytest.mark.parametrize("dtype", [tf.float16, tf.float32, tf.float64])
-@pytest.mark.parametrize("reduction", ["MEAN", "MEAN_PER_ROW"])
-def test_sparse_dtypes(mode, dtype, reduction):
-    # Two gradients in the same cell: both means agree here.
-    tf1, ours = _pair(mode, dtype=dtype, shape=(3, 3, 3), reduction=reduction, sparse=True)
+def test_sparse_dtypes(mode, dtype):
+    tf1, ours = _pair(mode, dtype=dtype, shape=(3, 3, 3), reduction="MEAN_PER_ROW",
+                      sparse=True)
     total = np.zeros([3, 3, 3], dtype.as_numpy_dtype)
     for e in range(2):
         grad = np.zeros([3, 3, 3], dtype.as_numpy_dtype)

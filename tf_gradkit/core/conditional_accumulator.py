@@ -394,7 +394,8 @@ class ConditionalAccumulator(tf.Module):
             # when it compiles: a reshape refuses unequal row counts then. An
             # out-of-range row cannot raise: `apply_grad` refuses it instead.
             values = tf.reshape(values, tf.concat(
-                [tf.shape(indices, out_type=tf.int32), row_shape.as_list()], 0))
+                [tf.shape(indices, out_type=tf.int32),
+                 tf.constant(row_shape.as_list(), tf.int32)], 0))
             return values, indices, in_range
         checks = [
             tf.debugging.assert_equal(
