@@ -121,15 +121,24 @@ def test_take_ready_resets_and_bumps_global_step(mode):
     assert _state(acc) == (0, 1, 2)
 
 
-def test_num_required_below_one_is_treated_as_one_at_run_time(mode):
-    # Statically known values < 1 raise (tested below); a run-time tensor cannot
-    # be checked under XLA, so it is clamped rather than dividing by zero.
+def test_num_required_below_one_raises_when_run_or_is_one_under_xla(mode):
+    # Statically known values < 1 raise (tested below); a run-time tensor raises
+    # as TF1's op does, except under XLA, where nothing can raise: there it is
+    # treated as 1 rather than dividing by zero.
     acc = ConditionalAccumulator(tf.float32, [1])
     take = compile_fn(lambda k: acc.take_grad(k),
                       "function" if mode == "eager" else mode)
+    if mode != "jit":
+        with pytest.raises(tf.errors.InvalidArgumentError, match="num_required"):
+            take(tf.constant(0, tf.int64))
+        return
     value, ready = take(tf.constant(0, tf.int64))
     assert not bool(ready)
     np.testing.assert_array_equal(value.numpy(), [0.0])
+    acc.apply_grad(_f32([2.0]))
+    value, ready = take(tf.constant(0, tf.int64))
+    assert bool(ready)
+    np.testing.assert_array_equal(value.numpy(), [2.0])
 
 
 def test_indexed_slices_match_dense(mode):
@@ -278,3 +287,22 @@ def test_example_script_runs(capsys):
                    run_name="__main__")
     out = capsys.readouterr().out
     assert "dropped" in out
+
+
+def test_several_calls_in_one_function_take_the_lock_in_turn(mode):
+    # Each call holds the instance's mutex (not under XLA); calls in one
+    # function must take it one after the other, never deadlock, and see each
+    # other's effects in program order.
+    acc = ConditionalAccumulator(tf.float32, [2])
+
+    def step(g):
+        first = acc.apply_grad(g, acc.global_step)
+        second = acc.apply_grad(2.0 * g, acc.global_step)
+        value, ready = acc.take_grad(2)
+        third = acc.apply_grad(g, acc.global_step)
+        return first, second, value, ready, third
+
+    first, second, value, ready, third = compile_fn(step, mode)(tf.constant([1.0, 2.0]))
+    assert bool(first) and bool(second) and bool(ready) and bool(third)
+    np.testing.assert_array_equal(value.numpy(), [1.5, 3.0])
+    assert _state(acc) == (1, 0, 1)

@@ -17,18 +17,24 @@ The rule, per accumulator with global step ``s``, sum ``S`` and count ``n``::
     take_grad(k):               if n >= k:  return S / n (or S);  S = 0; n = 0; s += 1
                                 else:       return zeros (state unchanged)
 
+each call atomic (as TF1's kernels, which hold a mutex). ``"MEAN_PER_ROW"``
+divides each row of ``S`` by the number of accepted gradients that held it
+instead (TF1's ``SparseConditionalAccumulator``).
+
 References: TF1 ``ConditionalAccumulator`` / ``AccumulatorApplyGradient`` /
 ``AccumulatorTakeGradient`` (same semantics, blocking take).
 """
 
 import tensorflow as tf
+from tensorflow.python.framework import ops as _ops
+from tensorflow.python.ops import control_flow_util as _cf_util
 
 from tf_gradkit.core import distributed_window
 from tf_gradkit.core import exclusive
 
 __all__ = ["ConditionalAccumulator", "REDUCTIONS"]
 
-REDUCTIONS = ("MEAN", "SUM")
+REDUCTIONS = ("MEAN", "SUM", "MEAN_PER_ROW")
 
 
 class ConditionalAccumulator(tf.Module):
@@ -66,11 +72,20 @@ class ConditionalAccumulator(tf.Module):
     * `take_grad` never blocks. It returns ``(value, ready)``; when fewer than
       ``num_required`` gradients are in, ``value`` is zeros and nothing changes.
       (A blocking wait has no meaning inside ``tf.function`` or XLA; call again.)
+    * Like TF1's, `apply_grad` and `take_grad` are atomic, so several threads
+      may share an accumulator: eagerly and in ``tf.function`` they hold a mutex
+      of the instance, under XLA the launch holds the variables. Don't mix an
+      XLA-compiled caller with others *at the same time*: the two locks don't
+      exclude each other.
     * No ``shared_name``: state is this instance's variables. Two instances never
       share state; to share, share the instance.
     * Dense gradients and ``tf.IndexedSlices`` both go into the one accumulator
       (slices are scatter-added; TF1 needs a separate
-      ``SparseConditionalAccumulator``). The result is always dense.
+      ``SparseConditionalAccumulator``). The result is always dense. TF1's
+      sparse accumulator averages each row over the gradients that held it:
+      that is ``reduction="MEAN_PER_ROW"``; ``"MEAN"`` divides every row by the
+      number of gradients (what TF1's dense accumulator does with densified
+      slices, and the true average of the gradients).
     * Counters (`num_accumulated`, `num_dropped`, `global_step`) are int64
       (TF1's ``num_accumulated`` is int32).
     * Everything is ordinary TF ops with XLA kernels, and the state saves and
@@ -81,13 +96,16 @@ class ConditionalAccumulator(tf.Module):
         ``tf.float32`` or ``tf.float64``).
       shape: the fully defined shape of every gradient.
       reduction: ``"MEAN"`` (`take_grad` returns the average of the accepted
-        gradients) or ``"SUM"`` (their sum).
+        gradients), ``"SUM"`` (their sum) or ``"MEAN_PER_ROW"`` (each row of
+        the sum divided by the number of accepted gradients that held it: a
+        dense gradient holds every row, ``tf.IndexedSlices`` the rows they
+        index; rows none held are zero). Needs a ``shape`` of rank >= 1.
       name: optional module name; defaults to ``"conditional_accumulator"``.
 
     Raises:
       TypeError: ``dtype`` is not a floating dtype.
-      ValueError: ``shape`` is not fully defined, or ``reduction`` is not one of
-        ``"MEAN"``, ``"SUM"``.
+      ValueError: ``shape`` is not fully defined, ``reduction`` is not one of
+        ``REDUCTIONS``, or it is ``"MEAN_PER_ROW"`` for a scalar ``shape``.
     """
 
     def __init__(self, dtype, shape, reduction="MEAN", name=None):
@@ -98,6 +116,10 @@ class ConditionalAccumulator(tf.Module):
             raise ValueError(
                 f"`reduction` must be one of {REDUCTIONS}. Received: "
                 f"reduction={reduction!r}")
+        if reduction == "MEAN_PER_ROW" and self._shape.rank == 0:
+            raise ValueError(
+                "`reduction`='MEAN_PER_ROW' needs rows: a `shape` of rank >= 1. "
+                f"Received: shape={self._shape}; use 'MEAN' for a scalar")
         self._reduction = reduction
         with self.name_scope:
             self._sum = tf.Variable(
@@ -106,12 +128,19 @@ class ConditionalAccumulator(tf.Module):
             self._count = _counter("num_accumulated")
             self._dropped = _counter("num_dropped")
             self._global_step = _counter("global_step")
-        # Made under a ParameterServerStrategy, its state lives on a parameter
-        # server and workers apply at once: apply_grad and take_grad then hold
-        # a mutex there (`core.exclusive`), as TF1's C++ accumulator did.
-        self._mutex = (exclusive.new_mutex(self._sum.device)
-                       if distributed_window.concurrent_workers(tf.distribute.get_strategy())
-                       else None)
+            # MEAN_PER_ROW: how many accepted gradients held each row.
+            self._row_count = (
+                tf.Variable(tf.zeros(self._shape[:1], tf.int64), trainable=False,
+                            name="row_count")
+                if reduction == "MEAN_PER_ROW" else None)
+        # apply_grad and take_grad are atomic, as TF1's C++ ops are: they hold
+        # a mutex (`core.exclusive`) eagerly and in tf.function; under XLA the
+        # launch itself holds every variable it uses for its whole run. Made
+        # under a ParameterServerStrategy, the state and the mutex live on a
+        # parameter server and every worker's calls hold it there.
+        self._on_ps = distributed_window.concurrent_workers(tf.distribute.get_strategy())
+        self._mutex = exclusive.new_mutex(
+            self._sum.device if self._on_ps else "/device:CPU:0")
 
     @property
     def dtype(self):
@@ -125,7 +154,7 @@ class ConditionalAccumulator(tf.Module):
 
     @property
     def reduction(self):
-        """``"MEAN"`` or ``"SUM"``."""
+        """``"MEAN"``, ``"SUM"`` or ``"MEAN_PER_ROW"``."""
         return self._reduction
 
     @property
@@ -159,47 +188,83 @@ class ConditionalAccumulator(tf.Module):
     def apply_grad(self, grad, local_step=0):
         """Adds ``grad`` unless it is stale (``local_step < global_step``).
 
+        Atomic: concurrent calls (threads, ``tf.function``\\ s) never interleave
+        with each other or with `take_grad`.
+
         Args:
           grad: a dense tensor (or array-like) of the accumulator's shape and
             dtype, or a ``tf.IndexedSlices`` whose rows index the first axis;
             slices are scatter-added (duplicate indices add up) without ever
-            building the dense gradient. Under XLA, out-of-range indices are
-            ignored rather than reported, as XLA scatter does.
+            building the dense gradient.
           local_step: integer scalar, the global step at which the parameters
             behind ``grad`` were read. See the class docstring.
 
         Returns:
           A boolean scalar tensor: ``True`` if ``grad`` was accumulated, ``False``
-          if it was dropped as stale.
+          if it was dropped as stale. Under XLA, where no error can be raised,
+          ``IndexedSlices`` with a row index outside ``[0, shape[0])`` are
+          refused whole: ``False``, and nothing changes (not even
+          `num_dropped`); elsewhere they raise.
 
         Raises:
           TypeError: ``grad`` has another dtype, or ``local_step`` is not an
             integer.
-          ValueError: ``grad``'s static shape is not the accumulator's shape.
+          ValueError: ``grad``'s static shape is not the accumulator's shape
+            (for slices: indices not a vector, values not ``[n] + shape[1:]``,
+            or a ``dense_shape`` that is not ``shape``).
+          tf.errors.InvalidArgumentError: when it runs (eagerly or in a
+            ``tf.function``, not under XLA), the same checks on shapes known
+            only then, and slice indices out of range. A failed call changes
+            nothing.
         """
         local_step = _as_step(local_step, "local_step")
         if isinstance(grad, tf.IndexedSlices):
-            grad = self._check_slices(grad)
+            values, indices, valid = self._check_slices(grad)
 
             def add():
-                self._sum.scatter_add(grad)
-                self._count.assign_add(tf.constant(1, tf.int64))
-                return tf.constant(True)
+                self._sum.scatter_add(tf.IndexedSlices(values, indices))
+                if self._row_count is not None:
+                    held = tf.scatter_nd(indices[:, None],
+                                         tf.ones(tf.shape(indices), tf.float32),
+                                         self._shape[:1])
+                    self._row_count.assign_add(tf.cast(held > 0, tf.int64))
+                return self._count_one()
+
+            inputs = [values, indices, local_step]
         else:
             grad = self._check_dense(grad)
+            valid = tf.constant(True)
 
             def add():
                 self._sum.assign_add(grad)
-                self._count.assign_add(tf.constant(1, tf.int64))
-                return tf.constant(True)
+                if self._row_count is not None:
+                    self._row_count.assign_add(tf.ones(self._shape[:1], tf.int64))
+                return self._count_one()
+
+            inputs = [grad, local_step]
 
         def drop():
             self._dropped.assign_add(tf.constant(1, tf.int64))
             return tf.constant(False)
 
-        return exclusive.run_exclusive(
-            self._mutex, lambda: tf.cond(local_step >= self._global_step, add, drop),
-            after=[grad, local_step])
+        def apply():
+            # The accepted count moves only once the sum has (`_count_one`),
+            # and nothing runs before the checks made in `inputs` have passed:
+            # a failed call leaves the state as it was.
+            fresh = local_step >= self._global_step
+            return tf.cond(
+                valid,
+                lambda: tf.cond(fresh, add, drop),
+                lambda: tf.constant(False))
+
+        return self._exclusive(apply, after=inputs)
+
+    def _count_one(self):
+        # Automatic control dependencies do not order ops on different
+        # variables; the count must never move without the sum.
+        with tf.control_dependencies([self._sum.read_value()]):
+            self._count.assign_add(tf.constant(1, tf.int64))
+        return tf.constant(True)
 
     def take_grad(self, num_required):
         """Returns the reduced gradient if at least ``num_required`` are in.
@@ -207,23 +272,28 @@ class ConditionalAccumulator(tf.Module):
         Unlike TF1 this never blocks. When ready, the sum and count reset to
         zero and the global step increases by one (the caller is expected to
         update the parameters with ``value``, making older gradients stale).
+        Atomic, like `apply_grad`: two concurrent takes never return the same
+        gradients.
 
         Args:
           num_required: how many accepted gradients are needed, an integer >= 1.
-            A tensor value below 1 is treated as 1 (it cannot be checked without
-            a host round trip under XLA).
+            A tensor value below 1 raises when it runs; under XLA, where it
+            cannot, it is treated as 1.
 
         Returns:
-          ``(value, ready)``: ``value`` is the average (``"MEAN"``) or sum
-          (``"SUM"``) of the accumulated gradients, or zeros when not ready;
-          ``ready`` is a boolean scalar tensor.
+          ``(value, ready)``: ``value`` is the average (``"MEAN"``), the sum
+          (``"SUM"``) or the per-row average (``"MEAN_PER_ROW"``) of the
+          accumulated gradients, or zeros when not ready; ``ready`` is a
+          boolean scalar tensor.
 
         Raises:
           ValueError: ``num_required`` is statically known and below 1.
           TypeError: ``num_required`` is not an integer.
+          tf.errors.InvalidArgumentError: ``num_required`` is a tensor below 1
+            (not under XLA).
         """
         num_required = _check_num_required(num_required)
-        return exclusive.run_exclusive(self._mutex, lambda: self._take(num_required))
+        return self._exclusive(lambda: self._take(num_required), after=[num_required])
 
     def _take(self, num_required):
         ready = self._count >= num_required
@@ -232,6 +302,12 @@ class ConditionalAccumulator(tf.Module):
             value = self._sum.read_value()
             if self._reduction == "MEAN":
                 value = value / tf.cast(self._count, self._dtype)
+            elif self._reduction == "MEAN_PER_ROW":
+                rows = tf.maximum(self._row_count, tf.constant(1, tf.int64))
+                rows = tf.reshape(tf.cast(rows, self._dtype),
+                                  [-1] + [1] * (self._shape.rank - 1))
+                value = value / rows
+                self._row_count.assign(tf.zeros(self._shape[:1], tf.int64))
             # Automatic control dependencies order these after the reads above.
             self._sum.assign(tf.zeros(self._shape, self._dtype))
             self._count.assign(tf.constant(0, tf.int64))
@@ -242,6 +318,19 @@ class ConditionalAccumulator(tf.Module):
             return tf.zeros(self._shape, self._dtype)
 
         return tf.cond(ready, take, wait), ready
+
+    def _exclusive(self, fn, after):
+        """Runs ``fn()`` atomically with respect to every other apply and take."""
+        if _in_xla():
+            # The XLA launch locks every variable it touches for its whole run.
+            return fn()
+        if tf.executing_eagerly() and not self._on_ps:
+            lock = tf.raw_ops.MutexLock(mutex=self._mutex)
+            try:
+                return fn()
+            finally:
+                del lock  # the mutex is released with the lock's last reference
+        return exclusive.run_exclusive(self._mutex, fn, after=after)
 
     def _check_dense(self, grad):
         if isinstance(grad, (tf.Tensor, tf.Variable)) and grad.dtype != self._dtype:
@@ -258,6 +347,7 @@ class ConditionalAccumulator(tf.Module):
         return tf.ensure_shape(grad, self._shape)
 
     def _check_slices(self, grad):
+        """The checked ``(values, indices, in_range)`` of slices ``grad``."""
         if self._shape.rank == 0:
             raise ValueError(
                 "`grad` can be tf.IndexedSlices only for an accumulator of rank "
@@ -268,20 +358,65 @@ class ConditionalAccumulator(tf.Module):
                 f"Received: IndexedSlices with values dtype "
                 f"{grad.values.dtype.name}")
         row_shape = self._shape[1:]
-        if (grad.values.shape.rank is not None and not
-                grad.values.shape[1:].is_compatible_with(row_shape)) or (
-                    grad.values.shape.rank not in (None, self._shape.rank)):
+        values_shape = tf.TensorShape([None]).concatenate(row_shape)
+        if not grad.values.shape.is_compatible_with(values_shape):
             raise ValueError(
                 f"`grad` IndexedSlices values must have shape [n] + {row_shape} "
                 f"for an accumulator of shape {self._shape}. Received: values "
                 f"with shape {grad.values.shape}")
+        if not grad.indices.shape.is_compatible_with([None]):
+            raise ValueError(
+                "`grad` IndexedSlices indices must be a vector. Received: "
+                f"indices with shape {grad.indices.shape}")
+        if (grad.indices.shape[0] is not None and grad.values.shape.rank and
+                grad.values.shape[0] is not None and
+                grad.indices.shape[0] != grad.values.shape[0]):
+            raise ValueError(
+                "`grad` IndexedSlices must have one values row per index. "
+                f"Received: {grad.indices.shape[0]} indices and values with "
+                f"shape {grad.values.shape}")
         dense_shape = (None if grad.dense_shape is None
                        else tf.get_static_value(grad.dense_shape))
         if dense_shape is not None and list(dense_shape) != self._shape.as_list():
             raise ValueError(
                 f"`grad` IndexedSlices dense_shape must be the accumulator's shape "
                 f"{self._shape}. Received: dense_shape={list(dense_shape)}")
-        return grad
+        if not grad.indices.dtype.is_integer:
+            raise TypeError(
+                "`grad` IndexedSlices indices must be integers. Received: "
+                f"indices with dtype {grad.indices.dtype.name}")
+        values = tf.ensure_shape(grad.values, values_shape)
+        indices = tf.cast(tf.ensure_shape(grad.indices, [None]), tf.int64)
+        rows = tf.constant(self._shape[0], tf.int64)
+        in_range = tf.reduce_all((indices >= 0) & (indices < rows))
+        if _in_xla():
+            # Nothing raises when an XLA computation runs, but shapes are known
+            # when it compiles: a reshape refuses unequal row counts then. An
+            # out-of-range row cannot raise: `apply_grad` refuses it instead.
+            values = tf.reshape(values, tf.concat(
+                [tf.shape(indices, out_type=tf.int32),
+                 tf.constant(row_shape.as_list(), tf.int32)], 0))
+            return values, indices, in_range
+        checks = [
+            tf.debugging.assert_equal(
+                tf.shape(indices)[0], tf.shape(values)[0],
+                message="`grad` IndexedSlices must have one values row per index"),
+            tf.debugging.Assert(in_range, [
+                f"`grad` IndexedSlices indices must be in [0, {self._shape[0]}). "
+                "Received: indices", indices], summarize=16),
+        ]
+        if grad.dense_shape is not None and dense_shape is None:
+            checks.append(tf.debugging.assert_equal(
+                tf.cast(grad.dense_shape, tf.int64),
+                tf.constant(self._shape.as_list(), tf.int64),
+                message="`grad` IndexedSlices dense_shape must be the "
+                        f"accumulator's shape {self._shape}"))
+        with tf.control_dependencies(checks):
+            return tf.identity(values), tf.identity(indices), in_range
+
+
+def _in_xla():
+    return _cf_util.GraphOrParentsInXlaContext(_ops.get_default_graph())
 
 
 def _counter(name):
@@ -332,4 +467,10 @@ def _check_num_required(num_required):
         raise ValueError(
             "`num_required` must be an integer >= 1. Received: "
             f"num_required={static}")
+    if static is None and not _in_xla():  # known when it runs: checked then
+        check = tf.debugging.assert_greater_equal(
+            num_required, tf.constant(1, tf.int64),
+            message="`num_required` must be an integer >= 1")
+        with tf.control_dependencies([check]):
+            num_required = tf.identity(num_required)
     return tf.maximum(num_required, tf.constant(1, tf.int64))
