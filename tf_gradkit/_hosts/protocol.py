@@ -380,8 +380,12 @@ def layer_kinds(layers):
     """kind -> classes of a flavour's ``layers`` module that
     `tf_gradkit.gradients` has a per-example rule for (or refuses).
     "excluded" are subclasses of those classes whose math differs
-    (transposed, depthwise and separable convolutions)."""
+    (transposed, depthwise and separable convolutions). "depthwise": the
+    layers whose kernels pruning leaves alone (tfmot's registry prunes none
+    of their weights; Keras 3 names such a kernel ``kernel``)."""
     return {
+        "depthwise": tuple(getattr(layers, name) for name in
+                           ("DepthwiseConv1D", "DepthwiseConv2D") if hasattr(layers, name)),
         "dense": (layers.Dense,),
         "conv": (layers.Conv1D, layers.Conv2D),
         "excluded": (layers.Conv1DTranspose, layers.Conv2DTranspose,
