@@ -112,8 +112,8 @@ def _mask_cases(rng):
                         [0.3, 0.3, 0.4, 0.4]], sparsity=0.5, block=[2, 2], pooling="AVG")
     add("tfmot_block", [[0.1, 0.0, 0.2, 0.0], [0.0, -0.1, 0.0, -0.2], [0.3, 0.0, 0.4, 0.0],
                         [0.0, -0.3, 0.0, -0.4]], sparsity=0.5, block=[2, 2], pooling="MAX")
-    for rows in (2, 3, 4, 5, 7, 8):
-        for cols in (2, 3, 4, 5, 7, 8):
+    for rows in (4, 5, 7, 10):
+        for cols in (4, 5, 7, 10):
             for block in ((2, 2), (3, 3), (1, 3), (4, 2), (3, 1), (2, 3)):
                 for pooling in ("AVG", "MAX"):
                     add("block", rng.randn(rows, cols), block=list(block), pooling=pooling,
@@ -355,18 +355,25 @@ def test_zero_ties_keep_exactly_k_where_tfmot_keeps_every_zero(oracle):
 @pytest.mark.keras_free
 def test_block_masks_equal_tfmots_unless_its_padding_shifts_the_blocks(oracle):
     answers, inputs = oracle["answers"], oracle["inputs"]
-    equal = shifted = 0
+    # tfmot raises where the blocks form one row or column (it squeezes the
+    # pooled magnitudes to 1-D); ours is checked against the reference there.
+    equal = shifted = refused = 0
     for case in oracle["masks"]:
         if case["kind"] != "block":
             continue
         w, block = inputs[case["id"]], tuple(case["block"])
         offsets = tuple(_pad_before(n, b) for n, b in zip(w.shape, block))
-        theirs, ours = answers[f"mask/{case['id']}"], _ours(case, w)
+        ours = _ours(case, w)
         message = str((w.shape, block, case["pooling"], offsets))
         # Ours: each block decided by the rows it masks.
         np.testing.assert_array_equal(
             ours, _block_reference(w, block, case["pooling"], case["sparsity"], (0, 0)),
             err_msg=message)
+        if f"refused/{case['id']}" in answers:  # one row or column of blocks
+            assert min(-(-n // b) for n, b in zip(w.shape, block)) == 1, message
+            refused += 1
+            continue
+        theirs = answers[f"mask/{case['id']}"]
         # tfmot's: decided by rows shifted by its padding, masking from row 0.
         np.testing.assert_array_equal(
             theirs, _block_reference(w, block, case["pooling"], case["sparsity"], offsets),
@@ -376,7 +383,7 @@ def test_block_masks_equal_tfmots_unless_its_padding_shifts_the_blocks(oracle):
             equal += 1
         else:
             shifted += 1
-    assert equal > 200 and shifted > 100, (equal, shifted)
+    assert equal >= 60 and shifted >= 80 and refused <= 40, (equal, shifted, refused)
 
 
 # ------------------------------------------------------------ (b) training
@@ -479,10 +486,11 @@ def test_sparsity_is_tfmots_at_every_batch_and_at_the_end_of_fit(K, gk, oracle):
 
 
 @pytest.mark.skipif(FLAVOUR != "keras3", reason="our Keras 3 side")
-def test_custom_loop_sparsity_is_tfmots_at_every_batch(K, gk, oracle, mode):
+@pytest.mark.parametrize("loop", ["eager", "jit"])
+def test_custom_loop_sparsity_is_tfmots_at_every_batch(K, gk, oracle, loop):
     # In a custom loop step k's masks are made in apply_gradients (before
     # update k; the forward pass used step k - 1's): the same counts.
-    ours, _ = _our_masks(K, gk, oracle, "poly_up", loop=mode)
+    ours, _ = _our_masks(K, gk, oracle, "poly_up", loop=loop)
     theirs = _theirs(oracle, "poly_up")
     for key in theirs:
         assert [int((m == 0).sum()) for m in ours[key]] == \
@@ -491,8 +499,9 @@ def test_custom_loop_sparsity_is_tfmots_at_every_batch(K, gk, oracle, mode):
 
 @pytest.mark.skipif(FLAVOUR != "keras3", reason="our Keras 3 side")
 def test_decreasing_schedule_revives_as_many_weights_as_tfmot(K, gk, oracle):
-    # 0.8, 0.6, 0.4, 0.2 in both (not 0.8 then nothing); the weights kept
-    # before stay kept; which pruned weights come back differs (documented).
+    # 0.8, 0.6, 0.4, 0.2 in both (not 0.8 then nothing); the 20% kept first
+    # stay kept in both (ours keeps every weight it kept); which pruned
+    # weights come back differs (documented).
     ours, _ = _our_masks(K, gk, oracle, "poly_down")
     theirs = _theirs(oracle, "poly_down")
     for key in theirs:
@@ -502,8 +511,10 @@ def test_decreasing_schedule_revives_as_many_weights_as_tfmot(K, gk, oracle):
         fractions = sorted({round(z / size, 1) for z in zeros}, reverse=True)
         assert fractions == [0.8, 0.6, 0.4, 0.2], (key, zeros)
         for masks in (ours[key], theirs[key]):
-            for before, after in zip(masks[:-1], masks[1:]):
-                assert np.all(after[before == 1] == 1), key
+            first = masks[0] == 1
+            assert all(np.all(m[first] == 1) for m in masks), key
+        for before, after in zip(ours[key][:-1], ours[key][1:]):
+            assert np.all(after[before == 1] == 1), key
 
 
 @pytest.mark.skipif(FLAVOUR != "keras3", reason="our Keras 3 side")

@@ -47,7 +47,11 @@ def _masks(pruning_impl, spec, inputs, out):
             pruning_schedule=lambda step, s=sparsity: (True, tf.constant(s, tf.float32)),
             block_size=tuple(case.get("block", (1, 1))),
             block_pooling_type=case.get("pooling", "AVG"), sparsity_m_by_n=m_by_n)
-        _, mask = impl._maybe_update_block_mask(weights)  # pylint: disable=protected-access
+        try:
+            _, mask = impl._maybe_update_block_mask(weights)  # pylint: disable=protected-access
+        except ValueError:  # e.g. a pooled dimension of 1: tfmot squeezes it away
+            out[f"refused/{case['id']}"] = np.array(True)
+            continue
         out[f"mask/{case['id']}"] = np.asarray(mask, np.float32)
 
 
