@@ -407,7 +407,8 @@ def _our_schedule(spec):
 
 
 def _key(opt, variable):
-    return "/".join(opt._path(variable).split("/")[-2:])  # pylint: disable=protected-access
+    path = opt._path(variable).split(":")[0]  # pylint: disable=protected-access
+    return "/".join(path.split("/")[-2:])
 
 
 def _our_masks(K, gk, oracle, name, loop=None):
