@@ -92,8 +92,9 @@ class MagnitudePruning(MaskedUpdate):
 
     Args:
       optimizer: the optimizer to wrap, of the same Keras flavour.
-      model: optional; resolves ``targets`` now (errors at construction) and,
-        under ``fit``, makes step 1's masks before the first forward pass.
+      model: optional; resolves ``targets`` now (errors at construction),
+        tells depthwise layers by their kind and, under ``fit``, makes each
+        pruning step's masks before its forward pass.
       targets: ``"kernels"`` (default: every Dense, Conv, Embedding,
         SeparableConv pointwise and RNN kernel; never biases, never the
         kernels of depthwise convolutions when the model is known through
