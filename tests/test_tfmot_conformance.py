@@ -575,6 +575,21 @@ def test_depthwise_conv1d_kernel_is_left_alone_after_attach(K, gk):
     assert pruned == ["c1/kernel", "d/kernel"]
 
 
+@pytest.mark.skipif(FLAVOUR != "keras3", reason="only Keras 3 names a depthwise kernel "
+                    "`kernel`")
+def test_conv_kernels_without_the_model_are_refused_with_what_to_do(K, gk):
+    model = _conv_family(K)
+    with pytest.raises(ValueError, match=r"without the model.*Pass model=.*/c/kernel'"):
+        gk.MagnitudePruning(K.optimizers.SGD(0.01)).build(model.trainable_variables)
+    model.compile(optimizer=gk.MagnitudePruning(K.optimizers.SGD(0.01)), loss="mse")
+    with pytest.raises(ValueError, match="Pass model="):
+        model.fit(np.ones((8, 8, 8, 4), "float32"), np.ones((8, 4), "float32"), verbose=0)
+    named = gk.MagnitudePruning(K.optimizers.SGD(0.01), targets=["c/kernel", "d/kernel"])
+    named.build(model.trainable_variables)   # named targets need no model
+    assert sorted(_key(named, v) for v, _ in named._table().values()) == \
+        ["c/kernel", "d/kernel"]  # pylint: disable=protected-access
+
+
 class StepSparsity(pruning.PruningSchedule):
     """A custom schedule: ``low`` until ``switch``, then ``high``, masks
     every ``frequency`` steps."""

@@ -97,9 +97,10 @@ class MagnitudePruning(MaskedUpdate):
         pruning step's masks before its forward pass.
       targets: ``"kernels"`` (default: every Dense, Conv, Embedding,
         SeparableConv pointwise and RNN kernel; never biases, never the
-        kernels of depthwise convolutions when the model is known through
-        ``model=`` or ``attach``: without it, weights are chosen by name and
-        Keras 3 names a DepthwiseConv kernel ``kernel``), a path
+        kernels of depthwise convolutions, told by their layer's kind: the
+        model must be known through ``model=`` or ``attach`` where the
+        flavour names a DepthwiseConv kernel ``kernel`` (Keras 3; without it
+        convolution kernels are refused at build)), a path
         pattern (regex searched in each variable's path), or a list of
         layers (their kernels), variables and patterns.
       schedule: ``tf_gradkit.pruning.PolynomialDecay``, ``ConstantSparsity``
@@ -149,6 +150,7 @@ class MagnitudePruning(MaskedUpdate):
         self.m_by_n = None if m_by_n is None else tuple(m_by_n)
         self.targets = self._patterns(targets)
         self._left_alone = set()  # paths of depthwise kernels, once the model is known
+        self._model_known = False
         self._hooked = threading.local()  # per replica thread, while a step is traced
         self.masks = Masks(self._var_key)  # filled when built
         for inner in _model_hooks.optimizer_chain(optimizer):
@@ -204,6 +206,14 @@ class MagnitudePruning(MaskedUpdate):
                     f"{_OWNER}: none of the {len(variables)} trainable variables is a "
                     f"kernel ({KERNEL_NAMES}); paths: "
                     f"{[self._path(v) for v in variables[:12]]}. Name targets=.")
+            convolutions = [self._path(v) for v in chosen if len(v.shape) >= 3]
+            if self.DEPTHWISE_NAMED_KERNEL and not self._model_known and convolutions:
+                raise ValueError(
+                    f"{_OWNER}: without the model, a convolution's kernel cannot be told "
+                    "from a depthwise convolution's (which is never pruned, as in tfmot): "
+                    "this Keras names both `kernel`. Pass model= (or call attach(model) "
+                    "before training), or name targets=. Received kernels: "
+                    f"{convolutions[:6]}")
             return chosen
         chosen = []
         for pattern in self.targets:
@@ -221,6 +231,7 @@ class MagnitudePruning(MaskedUpdate):
         depthwise = _layer_taps.layer_kinds()["depthwise"]
         self._left_alone |= {self._path(w) for layer in _layer_taps.flat_layers(model)
                              if isinstance(layer, depthwise) for w in layer.weights}
+        self._model_known = True
 
     # -------------------------------------------------------------- binding
     def attach(self, model):
@@ -263,6 +274,9 @@ class MagnitudePruning(MaskedUpdate):
 
     # ----------------------------------------------------------------- state
     def _build_own(self, var_list):
+        loaded_for = self._model_loaded_for()
+        if loaded_for is not None and not self._model_known:
+            self._leave_alone(loaded_for)
         pairs = [(v, self._new_variable(v.shape, MASK_DTYPE, "mask", initial=1.0,
                                         sync="none", reference=v))
                  for v in self._resolve(var_list)]

@@ -97,6 +97,9 @@ class OptimizerHost:
     MODEL_KIND = None          # for errors: "keras.Model (Keras 3)"
     OPTIMIZER_KIND = None      # for errors: "Keras 3 (keras.optimizers.Optimizer)"
     WRAPS_LOSS_SCALE = True    # whether a wrapper may hold a LossScaleOptimizer
+    # Whether a depthwise convolution names its kernel `kernel`, like a
+    # convolution: then only the layer (its kind) tells them apart.
+    DEPTHWISE_NAMED_KERNEL = False
 
     def __init_subclass__(cls, **kwargs):
         # The classes an algorithm checks against, from the flavour's Keras.
