@@ -39,8 +39,8 @@ def _model(K, seed=1):
 
 def _expected_zeros(step):
     """Zeros per kernel once update ``step`` is done: the mask of the last
-    schedule point <= step + 1 (computed after update ``step``)."""
-    points = [s for s in ZEROS if s <= step + 1]
+    schedule point <= step (made before update ``step``, tfmot's)."""
+    points = [s for s in ZEROS if s <= step]
     return ZEROS[max(points)] if points else (0, 0)
 
 
@@ -224,7 +224,7 @@ def test_save_and_checkpoint_mid_schedule_resume_exactly(K, gk, tmp_path):
 
     full, stopped = make(), make()
     fit(full, 0, 40)
-    fit(stopped, 0, 40)  # 5 updates: masks at 75%, the next point at step 6
+    fit(stopped, 0, 40)  # 5 updates: step 4's masks (62.5%), the next point at step 6
     stopped.save(str(tmp_path / "m.keras"))
     path = tf.train.Checkpoint(model=stopped, optimizer=stopped.optimizer).save(
         str(tmp_path / "ckpt"))
@@ -232,7 +232,7 @@ def test_save_and_checkpoint_mid_schedule_resume_exactly(K, gk, tmp_path):
     restored = make()
     restored.optimizer.build(restored.trainable_variables)
     tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).restore(path)
-    assert int((loaded.layers[0].kernel.numpy() == 0).sum()) == 96
+    assert int((loaded.layers[0].kernel.numpy() == 0).sum()) == ZEROS[4][0]
     for model in (full, loaded, restored):
         fit(model, 40, 96)
     assert max_abs_diff(weights_of(full), weights_of(loaded)) == 0
@@ -330,8 +330,8 @@ def test_targets_by_layer_and_pattern(K, gk):
                                                       frequency=3)])
 def test_tfmot_equivalence(K, gk, schedule):
     # The same model, data and schedule: tfmot's sparsity after every batch
-    # equals ours, layer by layer (tfmot's batch k uses step k; ours after
-    # update k - 1 prepares the mask of step k).
+    # equals ours, layer by layer (tfmot's batch k uses step k; ours makes
+    # step k's mask at the start of train step k, before its forward pass).
     tfmot = pytest.importorskip("tensorflow_model_optimization")
     sk = tfmot.sparsity.keras
     x, y = _data()
@@ -348,12 +348,10 @@ def test_tfmot_equivalence(K, gk, schedule):
             super().__init__()
             self.key = key
 
-        def on_train_batch_begin(self, batch, logs=None):
-            if self.key == "ours":  # the mask this batch's forward pass uses
-                sparsities["ours"].append(tuple(round(v, 6) for v in opt.sparsity().values()))
-
         def on_train_batch_end(self, batch, logs=None):
-            if self.key == "theirs":
+            if self.key == "ours":  # the mask this batch's forward pass used
+                sparsities["ours"].append(tuple(round(v, 6) for v in opt.sparsity().values()))
+            else:
                 sparsities["theirs"].append(tuple(
                     round(float(1 - layer.pruning_vars[0][1].numpy().mean()), 6)
                     for layer in self.model.layers if hasattr(layer, "pruning_vars")))

@@ -4,9 +4,11 @@ written once for both Keras flavours (the masks' rules are
 the masked update `tf_gradkit._algorithms.masked_update`)."""
 
 import re
+import threading
 
 import tensorflow as tf
 
+from tf_gradkit import _layer_taps
 from tf_gradkit import _model_hooks
 from tf_gradkit._algorithms.masked_update import MaskedUpdate, _multiply_in_place
 from tf_gradkit.core import magnitude
@@ -15,7 +17,9 @@ from tf_gradkit.core.masks import Masks
 
 # The weights tfmot prunes: Dense/Conv/LocallyConnected kernels, Embedding
 # tables, SeparableConv's pointwise kernel, RNN cells' kernels (never biases,
-# never depthwise kernels), found by name, not by layer class.
+# never depthwise kernels), found by name; the weights of the host's
+# "depthwise" layer kinds (Keras 3 names their kernel `kernel`) are left alone
+# when the model is known.
 KERNEL_NAMES = ("kernel", "embeddings", "pointwise_kernel", "recurrent_kernel")
 _OWNER = "MagnitudePruning"
 # Masks hold 0 and 1, exact in float16: half the bytes a step reads to mask
@@ -38,7 +42,7 @@ def validate_arguments(targets, schedule, block_size, block_pooling, m_by_n):
     if schedule is not None and not isinstance(schedule, pruning_schedule.PruningSchedule):
         raise ValueError(
             f"{_OWNER}: `schedule` must be a tf_gradkit.pruning schedule "
-            "(PolynomialDecay, ConstantSparsity). Received: "
+            "(PolynomialDecay, ConstantSparsity or a PruningSchedule subclass). Received: "
             f"schedule={type(schedule).__name__}")
     if not (isinstance(block_size, (list, tuple)) and len(block_size) == 2 and
             all(isinstance(b, int) and not isinstance(b, bool) and b >= 1
@@ -67,17 +71,20 @@ class MagnitudePruning(MaskedUpdate):
 
     Masks are optimizer state: no wrapper layers, no ``strip_pruning`` step
     (the saved model is the pruned model, its pruned weights exactly zero).
-    After every real update of the wrapped optimizer (its ``iterations``
-    moved to j), if the schedule prunes at step j + 1, each target's mask is
-    recomputed from its current weights (the smallest magnitudes, tfmot's
-    rules: `tf_gradkit.core.magnitude`); then the weights and their
-    optimizer slots (Adam's moments, momentum, EMA averages) are multiplied
-    by the masks, so after every step they are exactly zero where pruned,
-    and gradients are masked before the update. Step 1's masks are made from
-    the initial weights (before the first forward pass under ``fit`` with
-    ``model=``). Steps count real updates: inside a `GradientAccumulator`
-    (recommended: ``GradientAccumulator(MagnitudePruning(Adam(), ...))``)
-    windows, not micro-batches; around one, the same.
+    Step k is the k-th real update of the wrapped optimizer. If the schedule
+    prunes at step k, each target's mask is recomputed before update k from
+    the weights after update k - 1 (the smallest magnitudes, tfmot's rules:
+    `tf_gradkit.core.magnitude`): under ``fit`` with ``model=`` (or
+    ``attach``) at the start of the train step, before its forward pass
+    (tfmot's moment), else in ``apply_gradients`` before the update (the
+    forward pass of step k then used step k - 1's masks). The weights and
+    their optimizer slots (Adam's moments, momentum, EMA averages) are
+    multiplied by the masks and gradients are masked before the update, so
+    after every step they are exactly zero where pruned and the masks are
+    tfmot's masks of that step. Steps count real updates: inside a
+    `GradientAccumulator` (recommended:
+    ``GradientAccumulator(MagnitudePruning(Adam(), ...))``) windows, not
+    micro-batches; around one, the same.
 
     Schedules mean what tfmot's mean (same step, same sparsity, same
     rounding of the number of zeros): tfmot's step k is the k-th training
@@ -85,16 +92,26 @@ class MagnitudePruning(MaskedUpdate):
 
     Args:
       optimizer: the optimizer to wrap, of the same Keras flavour.
-      model: optional; resolves ``targets`` now (errors at construction) and,
-        under ``fit``, makes step 1's masks before the first forward pass.
+      model: optional; resolves ``targets`` now (errors at construction),
+        tells depthwise layers by their kind and, under ``fit``, makes each
+        pruning step's masks before its forward pass.
       targets: ``"kernels"`` (default: every Dense, Conv, Embedding,
-        SeparableConv pointwise and RNN kernel; never biases), a path
+        SeparableConv pointwise and RNN kernel; never biases, never the
+        kernels of depthwise convolutions, told by their layer's kind: the
+        model must be known through ``model=`` or ``attach`` where the
+        flavour names a DepthwiseConv kernel ``kernel`` (Keras 3; without it
+        convolution kernels are refused at build)), a path
         pattern (regex searched in each variable's path), or a list of
         layers (their kernels), variables and patterns.
-      schedule: ``tf_gradkit.pruning.PolynomialDecay`` or ``ConstantSparsity``
-        (tfmot's, and its default: ``ConstantSparsity(0.5, 0)``). With
-        ``m_by_n`` the sparsity is ``1 - (n - m) / n`` whatever the schedule
-        says; the default then prunes once, at step 1 (tfmot's behaviour).
+      schedule: ``tf_gradkit.pruning.PolynomialDecay``, ``ConstantSparsity``
+        (tfmot's, and its default: ``ConstantSparsity(0.5, 0)``) or a
+        ``PruningSchedule`` subclass. With ``m_by_n`` the sparsity is
+        ``1 - (n - m) / n`` whatever the schedule says, and the masks are
+        made at the schedule's pruning steps (the default: once, at step 1,
+        tfmot's behaviour; tfmot ignores a schedule there and always prunes
+        at step 1). Recomputing an M:N mask from the pruned weights gives
+        the same mask (unless a kept weight is exactly zero), so a schedule
+        mostly chooses the step the M:N masks are first made.
       block_size: ``(rows, cols)`` blocks pruned together (2-D weights).
       block_pooling: ``"avg"`` or ``"max"``: a block's magnitude.
       m_by_n: ``(m, n)``: ``m`` zeros in every ``n`` weights along the input
@@ -132,6 +149,9 @@ class MagnitudePruning(MaskedUpdate):
         self.block_pooling = str(block_pooling).lower()
         self.m_by_n = None if m_by_n is None else tuple(m_by_n)
         self.targets = self._patterns(targets)
+        self._left_alone = set()  # paths of depthwise kernels, once the model is known
+        self._model_known = False
+        self._hooked = threading.local()  # per replica thread, while a step is traced
         self.masks = Masks(self._var_key)  # filled when built
         for inner in _model_hooks.optimizer_chain(optimizer):
             if getattr(type(inner), "accepts_masks", False):
@@ -139,6 +159,7 @@ class MagnitudePruning(MaskedUpdate):
         self._bound = False
         if model is not None:
             self._check_model(model)
+            self._leave_alone(model)
             self._resolve(model.trainable_variables)  # errors now, before state
             self.attach(model)
 
@@ -179,12 +200,20 @@ class MagnitudePruning(MaskedUpdate):
         variables = list(variables)
         if self.targets == "kernels":
             chosen = [v for v in variables if _weight_name(v, self._path) in KERNEL_NAMES
-                      and len(v.shape) >= 2]
+                      and len(v.shape) >= 2 and self._path(v) not in self._left_alone]
             if not chosen:
                 raise ValueError(
                     f"{_OWNER}: none of the {len(variables)} trainable variables is a "
                     f"kernel ({KERNEL_NAMES}); paths: "
                     f"{[self._path(v) for v in variables[:12]]}. Name targets=.")
+            convolutions = [self._path(v) for v in chosen if len(v.shape) >= 3]
+            if self.DEPTHWISE_NAMED_KERNEL and not self._model_known and convolutions:
+                raise ValueError(
+                    f"{_OWNER}: without the model, a convolution's kernel cannot be told "
+                    "from a depthwise convolution's (which is never pruned, as in tfmot): "
+                    "this Keras names both `kernel`. Pass model= (or call attach(model) "
+                    "before training), or name targets=. Received kernels: "
+                    f"{convolutions[:6]}")
             return chosen
         chosen = []
         for pattern in self.targets:
@@ -196,12 +225,22 @@ class MagnitudePruning(MaskedUpdate):
             chosen += [v for v in hits if all(v is not c for c in chosen)]
         return chosen
 
+    def _leave_alone(self, model):
+        """Remembers the weights of ``model``'s depthwise layers (the host's
+        layer kinds), which ``"kernels"`` leaves alone as tfmot does."""
+        depthwise = _layer_taps.layer_kinds()["depthwise"]
+        self._left_alone |= {self._path(w) for layer in _layer_taps.flat_layers(model)
+                             if isinstance(layer, depthwise) for w in layer.weights}
+        self._model_known = True
+
     # -------------------------------------------------------------- binding
     def attach(self, model):
         """Binds this optimizer to ``model`` (what ``model=`` does): under
-        ``fit`` the masks of step 1 are made before the first forward pass,
-        and an inner LevenbergMarquardt's steps are followed by the masks'."""
+        ``fit`` the masks of each pruning step are made before its forward
+        pass, and an inner LevenbergMarquardt's steps are followed by the
+        masks'."""
         self._check_model(model)
+        self._leave_alone(model)
         _model_hooks.ModelBinding.bind(model, self, self._CALLBACK)
         self._bound = True
         return self
@@ -215,18 +254,29 @@ class MagnitudePruning(MaskedUpdate):
 
     def _wrap_train_step(self, step, model):
         del model
-        if not self.needs_residuals:
-            return step
 
-        def pruned_step(data):  # LM replaces the step: mask after it
-            logs = step(data)
-            self.mask_state(True)
+        def pruned_step(data):
+            # The masks of the coming step before its forward pass (tfmot's
+            # moment); this step's apply_gradients then leaves them.
+            ready = bool(self._targets)
+            if ready:
+                self._prepare_masks()
+            self._hooked.ready = ready
+            try:
+                logs = step(data)
+            finally:
+                self._hooked.ready = False
+            if self.needs_residuals:  # LM replaces the step: mask after it
+                self.mask_state(True)
             return logs
 
         return pruned_step
 
     # ----------------------------------------------------------------- state
     def _build_own(self, var_list):
+        loaded_for = self._model_loaded_for()
+        if loaded_for is not None and not self._model_known:
+            self._leave_alone(loaded_for)
         pairs = [(v, self._new_variable(v.shape, MASK_DTYPE, "mask", initial=1.0,
                                         sync="none", reference=v))
                  for v in self._resolve(var_list)]
@@ -238,7 +288,7 @@ class MagnitudePruning(MaskedUpdate):
         # optimizer Keras is loading: its state comes next.
         if tf.executing_eagerly() and self._model_loaded_for() is None and \
                 int(self.iterations.numpy()) == 0 and bool(self._due(1).numpy()):
-            self._recompute(True, 1)
+            self._recompute(True, tf.constant(1, tf.int64))
             self.mask_state()
 
     def _table(self):
@@ -251,7 +301,8 @@ class MagnitudePruning(MaskedUpdate):
         weights = self._tf_variable(variable).read_value()
         if self.m_by_n is not None:
             return magnitude.m_by_n_mask(weights, *self.m_by_n)
-        return magnitude.magnitude_mask(weights, self.schedule.sparsity(step),
+        sparsity = tf.cast(self.schedule.sparsity(tf.cast(step, tf.int64)), tf.float32)
+        return magnitude.magnitude_mask(weights, sparsity,
                                         self.block_size, self.block_pooling)
 
     # Weights and slots are masked when the masks change; between changes the
@@ -278,26 +329,21 @@ class MagnitudePruning(MaskedUpdate):
 
         tf.switch_case(tf.cast(due, tf.int32), [lambda: tf.constant(False), change])
 
-    def _after_update(self, distribution, updated):
-        step = tf.cast(self.iterations, tf.int64) + 1
-        self._recompute(tf.logical_and(tf.convert_to_tensor(updated), self._due(step)),
-                        step, distribution)
-
     def _apply_grads(self, grads, variables, aggregated=False):
-        if self._due_at_one_possible():
-            # Step 1's masks from the weights before the first update (a
-            # custom loop; fit with model= made them before the first step).
-            self._before_first(tf.logical_and(tf.equal(self.iterations, 0), self._due(1)))
+        if not getattr(self._hooked, "ready", False):
+            # Step k's masks before update k (a custom loop, or fit without
+            # model=: the forward pass used step k - 1's masks).
+            self._prepare_masks()
         super()._apply_grads(grads, variables, aggregated)
 
-    def _due_at_one_possible(self):
-        s = self.schedule
-        return s.begin_step <= 1 and (1 - s.begin_step) % s.frequency == 0 and (
-            s.end_step == -1 or s.end_step >= 1)
+    def _prepare_masks(self):
+        """Recomputes the masks, if the schedule prunes at the coming step
+        (``iterations + 1``), from the current weights; masks weights and slots."""
+        step = tf.cast(self.iterations, tf.int64) + 1
+        due = self._due(step)
 
-    def _before_first(self, due):
         def recompute(distribution):
-            self._recompute(due, 1, distribution)
+            self._recompute(due, step, distribution)
 
         if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
             tf.distribute.get_replica_context().merge_call(recompute)
@@ -309,6 +355,14 @@ class MagnitudePruning(MaskedUpdate):
         """``{variable path: fraction of its mask that is zero}``."""
         return {self._path(v): float(1.0 - tf.reduce_mean(tf.cast(m, tf.float32)))
                 for v, m in self._table().values()}
+
+    def minimize(self, loss, var_list, tape=None):
+        if self.needs_residuals:  # step k's masks before LM's update k
+            var_list = list(var_list() if callable(var_list) else var_list)
+            with tf.init_scope():
+                self.build(var_list)
+            self._prepare_masks()
+        return super().minimize(loss, var_list, tape=tape)
 
     def get_config(self):
         return {"name": self.name, "optimizer": self._inner_config(),
@@ -322,7 +376,7 @@ class MagnitudePruning(MaskedUpdate):
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
         bound = config.pop("bound_to_model", False)
-        config["schedule"] = pruning_schedule.deserialize(config["schedule"])
+        config["schedule"] = pruning_schedule.deserialize(config["schedule"], custom_objects)
         inner = cls._inner_from_config(config, custom_objects)
         optimizer = cls(inner, **config)
         optimizer._bound = bool(bound)

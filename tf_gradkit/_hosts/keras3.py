@@ -42,6 +42,8 @@ class OptimizerHost(protocol.OptimizerHost):
     # Under a mixed_float16 policy compile wraps any optimizer that is not a
     # LossScaleOptimizer in one: a wrapper holding one gets unscaled twice.
     WRAPS_LOSS_SCALE = False
+    # keras.layers.DepthwiseConv1D/2D name their kernel `kernel`.
+    DEPTHWISE_NAMED_KERNEL = True
 
     def _check_backend(self):
         check_backend(type(self).__name__)

@@ -97,6 +97,9 @@ class OptimizerHost:
     MODEL_KIND = None          # for errors: "keras.Model (Keras 3)"
     OPTIMIZER_KIND = None      # for errors: "Keras 3 (keras.optimizers.Optimizer)"
     WRAPS_LOSS_SCALE = True    # whether a wrapper may hold a LossScaleOptimizer
+    # Whether a depthwise convolution names its kernel `kernel`, like a
+    # convolution: then only the layer (its kind) tells them apart.
+    DEPTHWISE_NAMED_KERNEL = False
 
     def __init_subclass__(cls, **kwargs):
         # The classes an algorithm checks against, from the flavour's Keras.
@@ -380,8 +383,12 @@ def layer_kinds(layers):
     """kind -> classes of a flavour's ``layers`` module that
     `tf_gradkit.gradients` has a per-example rule for (or refuses).
     "excluded" are subclasses of those classes whose math differs
-    (transposed, depthwise and separable convolutions)."""
+    (transposed, depthwise and separable convolutions). "depthwise": the
+    layers whose kernels pruning leaves alone (tfmot's registry prunes none
+    of their weights; Keras 3 names such a kernel ``kernel``)."""
     return {
+        "depthwise": tuple(getattr(layers, name) for name in
+                           ("DepthwiseConv1D", "DepthwiseConv2D") if hasattr(layers, name)),
         "dense": (layers.Dense,),
         "conv": (layers.Conv1D, layers.Conv2D),
         "excluded": (layers.Conv1DTranspose, layers.Conv2DTranspose,

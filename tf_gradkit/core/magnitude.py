@@ -5,10 +5,24 @@ there; our own code), so that a sparsity gives the same count of zeros:
 
 - `magnitude_mask(w, s)`: keep ``k = max(round(float32(size) * (1 - s)), 1)``
   weights (``round`` half to even, as ``tf.round``), those with ``|w| >=`` the
-  k-th largest ``|w|`` of this tensor; ties at the threshold are all kept.
+  k-th largest ``|w|`` of this tensor; ties at a positive threshold are all
+  kept (tfmot's rule). Where the k-th largest ``|w|`` is 0 (fewer than ``k``
+  non-zero weights: the sparsity went down after pruned weights were set to
+  exactly zero), exactly ``k`` are kept: every non-zero weight and the zeros
+  of lowest flat index. tfmot keeps every tie there, but its pruned weights
+  are not zero when it recomputes a mask (the optimizer moved them since the
+  last forward pass), so it keeps ``k`` too, choosing the zeros its last update
+  moved most; ours have no such update (pruned stays pruned).
 - with ``block_size`` (2-D weights only): ``|w|`` pooled over blocks
   (``"avg"`` over the block's real entries, or ``"max"``; edge blocks are
   partial), the same rule counted in blocks, the block mask expanded back.
+  Blocks start at row and column 0. tfmot pools with ``"SAME"`` padding,
+  which puts ``p = (ceil(n / b) * b - n) // 2`` padding rows (columns) before
+  its first block, but expands its block mask from row 0: where ``p > 0``
+  (a block size ``b >= 3`` that does not divide ``n``, e.g. ``b = 3, n = 4``),
+  tfmot's block ``i`` is decided by rows ``[i*b - p, (i+1)*b - p)`` and masks
+  rows ``[i*b, (i+1)*b)``; ours is decided by the rows it masks. Where
+  ``p == 0`` on both axes the masks are tfmot's.
 - `m_by_n_mask(w, m, n)`: in every group of ``n`` consecutive weights along
   the input axis, the ``n - m`` largest ``|w|`` are kept (ties: the lower
   index), i.e. ``m`` of every ``n`` are zero (2:4). A Dense kernel
@@ -35,8 +49,16 @@ def kept_count(size, sparsity):
 def _mask_by_threshold(magnitudes, sparsity):
     flat = tf.reshape(magnitudes, [-1])
     ordered = tf.sort(flat, direction="DESCENDING")
-    threshold = tf.gather(ordered, kept_count(tf.size(flat), sparsity) - 1)
-    return tf.cast(magnitudes >= threshold, magnitudes.dtype)
+    kept = kept_count(tf.size(flat), sparsity)
+    threshold = tf.gather(ordered, kept - 1)
+    # A zero threshold: every non-zero, then the zeros of lowest index up to k.
+    is_zero = tf.equal(flat, 0.0)
+    zeros_before = tf.cumsum(tf.cast(is_zero, tf.int32), exclusive=True)
+    nonzero = tf.size(flat) - tf.reduce_sum(tf.cast(is_zero, tf.int32))
+    revived = tf.logical_and(is_zero, zeros_before < kept - nonzero)
+    keep = tf.where(threshold > 0.0, flat >= threshold,
+                    tf.logical_or(tf.logical_not(is_zero), revived))
+    return tf.cast(tf.reshape(keep, tf.shape(magnitudes)), magnitudes.dtype)
 
 
 def _pool(magnitudes, block, pooling):

@@ -15,14 +15,22 @@ returns ``(should_prune, sparsity)``:
 - ``ConstantSparsity``: ``target_sparsity``.
 
 Where tfmot counts training forward passes, `tf_gradkit`'s pruning counts
-real optimizer updates: step ``j + 1`` is evaluated after update ``j`` (and
-step 1 before the first), which is what tfmot's step ``j + 1`` sees without
-gradient accumulation.
+real optimizer updates: the masks of step ``k`` are made before update ``k``
+from the weights after update ``k - 1`` (under ``fit`` with ``model=``, before
+the forward pass of step ``k``), which is what tfmot's step ``k`` does
+without gradient accumulation.
+
+Custom schedules subclass `PruningSchedule` (as tfmot's users subclass
+tfmot's): pass ``begin_step``, ``end_step`` and ``frequency`` to its
+``__init__`` (or override ``should_prune``), write ``sparsity(step)`` in
+TensorFlow and ``get_config()``. Subclasses are registered by class name
+when defined, so a saved `MagnitudePruning` finds them again on load.
 """
 
 import tensorflow as tf
 
-__all__ = ["ConstantSparsity", "PolynomialDecay", "SCHEDULES", "serialize", "deserialize"]
+__all__ = ["PruningSchedule", "ConstantSparsity", "PolynomialDecay", "SCHEDULES", "serialize",
+           "deserialize"]
 
 
 def _check(owner, **values):
@@ -40,10 +48,44 @@ def _check_sparsity(owner, **values):
                              f"Received: {name}={value!r}")
 
 
-class PruningSchedule:
-    """``(should_prune, sparsity)`` for a step (see the module doc)."""
+# Class name -> schedule class: every subclass of PruningSchedule, at definition.
+SCHEDULES = {}
 
-    def __init__(self, begin_step, end_step, frequency, allow_no_end):
+
+class PruningSchedule:
+    """The base of pruning schedules: ``(should_prune, sparsity)`` for a step.
+
+    A subclass passes its step range to ``__init__`` (validated: integers,
+    ``0 <= begin_step <= end_step`` or ``end_step == -1`` for no end,
+    ``frequency >= 1``) and writes:
+
+    - ``sparsity(step)``: a float32 scalar tensor in [0, 1), in TensorFlow
+      (``step`` is an int64 scalar tensor; this runs inside ``tf.function``
+      and XLA);
+    - ``get_config()``: the keyword arguments of ``__init__`` (``from_config``
+      calls ``cls(**config)``).
+
+    ``should_prune(step)`` is true at ``begin_step, begin_step + frequency,
+    ...`` up to ``end_step`` (both inclusive); override it for other steps.
+    Subclasses register by class name (for loading a saved optimizer).
+
+    Example:
+
+    >>> class StepSparsity(tf_gradkit.pruning.PruningSchedule):
+    ...     \"\"\"50% from step 0, 80% from step 100, masks every 10 steps.\"\"\"
+    ...     def __init__(self, frequency=10):
+    ...         super().__init__(begin_step=0, end_step=-1, frequency=frequency)
+    ...     def sparsity(self, step):
+    ...         return tf.where(step >= 100, 0.8, 0.5)
+    ...     def get_config(self):
+    ...         return {"frequency": self.frequency}
+    """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        SCHEDULES[cls.__name__] = cls
+
+    def __init__(self, begin_step, end_step, frequency, allow_no_end=True):
         owner = type(self).__name__
         _check(owner, begin_step=begin_step, end_step=end_step, frequency=frequency)
         if begin_step < 0:
@@ -70,13 +112,15 @@ class PruningSchedule:
             tf.math.floormod(step - self.begin_step, self.frequency), 0))
 
     def sparsity(self, step):
-        raise NotImplementedError
+        """The fraction of each weight to prune at ``step`` (a subclass's)."""
+        raise NotImplementedError(f"{type(self).__name__} must define sparsity(step)")
 
     def __call__(self, step):
         return self.should_prune(step), self.sparsity(step)
 
     def get_config(self):
-        raise NotImplementedError
+        """``__init__``'s keyword arguments (a subclass's)."""
+        raise NotImplementedError(f"{type(self).__name__} must define get_config()")
 
     @classmethod
     def from_config(cls, config):
@@ -136,12 +180,17 @@ class PolynomialDecay(PruningSchedule):
                 "end_step": self.end_step, "power": self.power, "frequency": self.frequency}
 
 
-SCHEDULES = {cls.__name__: cls for cls in (ConstantSparsity, PolynomialDecay)}
-
-
 def serialize(schedule):
     return {"class_name": type(schedule).__name__, "config": schedule.get_config()}
 
 
-def deserialize(config):
-    return SCHEDULES[config["class_name"]].from_config(config["config"])
+def deserialize(config, custom_objects=None):
+    """The schedule ``serialize`` described: its class from ``custom_objects``
+    or the subclasses of `PruningSchedule` defined in this process."""
+    name = config["class_name"]
+    cls = (custom_objects or {}).get(name) or SCHEDULES.get(name)
+    if cls is None:
+        raise ValueError(f"Unknown pruning schedule class {name!r}: define (import) the "
+                         "PruningSchedule subclass before loading, or pass it in "
+                         f"custom_objects. Known: {sorted(SCHEDULES)}")
+    return cls.from_config(config["config"])

@@ -4,7 +4,8 @@
   Keras 3 (which tfmot does not support) and tf_keras alike: the active
   flavour's class (``tf_gradkit.keras3.MagnitudePruning`` or
   ``tf_gradkit.tf_keras.MagnitudePruning``); `PolynomialDecay` and
-  `ConstantSparsity` schedules with tfmot's semantics.
+  `ConstantSparsity` schedules with tfmot's semantics, and `PruningSchedule`,
+  their base class, to write your own (pure TensorFlow, both flavours).
 
 tensorflow-model-optimization prunes tf_keras models only. Nothing here imports
 tfmot (whose import sets ``TF_USE_LEGACY_KERAS=1`` for the process) or sets an
@@ -27,7 +28,7 @@ _MEMBERS = {
     "strip_pruning": "stepping",
 }
 
-_SCHEDULES = ("ConstantSparsity", "PolynomialDecay")
+_SCHEDULES = ("ConstantSparsity", "PolynomialDecay", "PruningSchedule")
 
 __all__ = sorted(list(_MEMBERS) + ["MagnitudePruning"] + list(_SCHEDULES))
 
