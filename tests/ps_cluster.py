@@ -18,7 +18,7 @@ Scenarios:
   accumulator  ``tf_gradkit.ConditionalAccumulator`` shared by both workers
            (``apply_grad(g, local_step=acc.global_step read first)``) and taken
            by the chief;
-  killed   ``fit`` as in "fit", with worker 1 a separate process
+  killed   ``fit`` as in "fit" (300 steps), with worker 1 a separate process
            (``python ps_cluster.py serve SPEC INDEX SECONDS``) that is killed
            (SIGKILL) while training and started again on its port: the
            coordinator re-runs the closures it held on the other worker.
@@ -119,7 +119,7 @@ def _model(tf_keras):
                                 tf_keras.layers.Dense(1)])
 
 
-def fit(strategy, coordinator, while_training=None):
+def fit(strategy, coordinator, while_training=None, steps=60):
     del coordinator
     import tf_keras  # noqa: PLC0415
 
@@ -139,7 +139,7 @@ def fit(strategy, coordinator, while_training=None):
     if while_training is not None:
         while_training(opt)
     model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=1,
-              steps_per_epoch=60, verbose=0)
+              steps_per_epoch=steps, verbose=0)
     state = [v.device for v in opt._state.acc_grads] + [  # pylint: disable=protected-access
         opt._state.micro_step.device, opt._state.weight.device, opt.version.device]
     return {"iterations": int(opt.iterations.numpy()),
@@ -148,6 +148,9 @@ def fit(strategy, coordinator, while_training=None):
             "open": int(opt.window_micro_step.numpy()),
             "version": int(opt.version.numpy()), "state_devices": state,
             "window_weight": float(opt._state.weight.numpy())}  # pylint: disable=protected-access
+
+
+KILLED_STEPS = 300  # long enough for the kill to land while training
 
 
 def killed(strategy, coordinator):
@@ -167,11 +170,11 @@ def killed(strategy, coordinator):
                     _kill_and_restart_worker(1)
                     kills.append(time.time())
                     return
-                time.sleep(0.02)
+                time.sleep(0.01)
         threading.Thread(target=watch, daemon=True).start()
 
     try:
-        result = fit(strategy, coordinator, kill_when_training)
+        result = fit(strategy, coordinator, kill_when_training, KILLED_STEPS)
     finally:
         _stop_workers()
     return dict(result, kills=len(kills))

@@ -79,9 +79,9 @@ def test_conditional_accumulator_shared_by_workers_loses_nothing(tmp_path):
 
 def test_a_killed_worker_is_replaced_and_each_step_counted_at_least_once(tmp_path):
     r = _run(tmp_path, "killed", timeout=150)
-    assert r["kills"] == 1, r
-    # At least once: the 60 scheduled steps, plus at most the one step the
+    assert r["kills"] == 1, r  # while training
+    # At least once: the 300 scheduled steps, plus at most the one step the
     # killed worker held (re-run on the other worker; it may have been
     # applied before the worker died).
-    assert 60 <= r["micro_steps"] + r["dropped"] <= 61, r
+    assert 300 <= r["micro_steps"] + r["dropped"] <= 301, r
     assert r["iterations"] >= 10, r
