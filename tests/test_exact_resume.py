@@ -1,7 +1,8 @@
 """`tf_gradkit.callbacks.ExactBackupAndRestore`: an interrupted ``fit``
 resumed from a mid-epoch backup ends with the weights and optimizer state of
 the run that never stopped (a `GradientAccumulator` window open at the
-backup included), in both flavours, eager, ``tf.function`` and XLA; Keras's
+backup included), in both flavours, eager, ``tf.function`` and XLA, and under
+``MirroredStrategy``; Keras's
 own ``BackupAndRestore(save_freq=k)`` does not (its interrupted epoch
 restarts its data: shown, as the reason for the callback); and what cannot
 resume exactly is refused.
@@ -10,6 +11,8 @@ The interruption is a callback raising after a given batch, as Keras's own
 ``BackupAndRestore`` tests do; the resumed ``fit`` uses a new model and
 optimizer (other initial weights), as a new process would.
 """
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -57,11 +60,12 @@ class _Count:
         return Count()
 
 
-def _model(K, gk, mode, seed=1):
-    model = mlp(K, seed=seed)
-    opt = gk.GradientAccumulator(K.optimizers.Adam(0.05), steps=3, model=model)
-    model.compile(optimizer=opt, loss="mse", run_eagerly=mode == "eager",
-                  jit_compile=mode == "jit")
+def _model(K, gk, mode, seed=1, strategy=None):
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        model = mlp(K, seed=seed)
+        opt = gk.GradientAccumulator(K.optimizers.Adam(0.05), steps=3, model=model)
+        model.compile(optimizer=opt, loss="mse", run_eagerly=mode == "eager",
+                      jit_compile=mode == "jit")
     return model
 
 
@@ -69,6 +73,7 @@ def _state(model):
     return weights_of(model) + variables_of(model.optimizer)
 
 
+@pytest.mark.parametrize("mode", ["eager", "function", pytest.param("jit", marks=pytest.mark.slow)])
 def test_an_interrupted_fit_resumes_to_the_uninterrupted_run(K, gk, mode, tmp_path):
     _interrupt_and_resume(K, gk, mode, tmp_path, save_freq=2)
 
@@ -77,20 +82,25 @@ def test_backups_at_each_epochs_start_resume_exactly_too(K, gk, tmp_path):
     _interrupt_and_resume(K, gk, "function", tmp_path, save_freq="epoch")
 
 
-def _interrupt_and_resume(K, gk, mode, tmp_path, save_freq):
+@pytest.mark.distributed
+def test_under_mirrored_strategy_too(K, gk, tmp_path, mirrored):
+    _interrupt_and_resume(K, gk, "function", tmp_path, save_freq=2, strategy=mirrored)
+
+
+def _interrupt_and_resume(K, gk, mode, tmp_path, save_freq, strategy=None):
     callbacks = tf_gradkit.callbacks
-    whole = _model(K, gk, mode)
+    whole = _model(K, gk, mode, strategy=strategy)
     backup = callbacks.ExactBackupAndRestore(_dataset(), str(tmp_path / "a"), save_freq)
     whole.fit(backup.dataset, epochs=EPOCHS, callbacks=[backup], verbose=0)
-    assert int(whole.optimizer.micro_steps) == EPOCHS * BATCHES
+    assert int(whole.optimizer.micro_steps.numpy()) == EPOCHS * BATCHES
 
-    first = _model(K, gk, mode)
+    first = _model(K, gk, mode, strategy=strategy)
     backup = callbacks.ExactBackupAndRestore(_dataset(), str(tmp_path / "b"), save_freq)
     with pytest.raises(RuntimeError, match="interrupted"):
         first.fit(backup.dataset, epochs=EPOCHS, callbacks=[backup, _Interrupt(K, STOP_AFTER)],
                   verbose=0)
     # A new model and optimizer (other weights), as in a new process.
-    resumed = _model(K, gk, mode, seed=7)
+    resumed = _model(K, gk, mode, seed=7, strategy=strategy)
     resumed(np.zeros((1, 3), "float32"))
     backup = callbacks.ExactBackupAndRestore(_dataset(), str(tmp_path / "b"), save_freq)
     count = _Count(K)
@@ -100,7 +110,7 @@ def _interrupt_and_resume(K, gk, mode, tmp_path, save_freq):
     # epoch 1 (save_freq=2), or at epoch 1's start ("epoch").
     done = BATCHES + (2 if save_freq == 2 else 0)
     assert type(count).batches == EPOCHS * BATCHES - done
-    assert int(resumed.optimizer.micro_steps) == EPOCHS * BATCHES
+    assert int(resumed.optimizer.micro_steps.numpy()) == EPOCHS * BATCHES
     # Same float32 operations on the same values in the same order: equal to
     # the last bit; 1e-6 leaves room for nothing but that.
     assert max_abs_diff(_state(resumed), _state(whole)) <= 1e-6
