@@ -166,7 +166,8 @@ def killed(strategy, coordinator):
         def watch():
             deadline = time.time() + 60
             while time.time() < deadline:
-                if opt._state is not None and int(opt.micro_steps.numpy()) >= 10:  # pylint: disable=protected-access
+                built = opt._state is not None  # pylint: disable=protected-access
+                if built and int(opt.micro_steps.numpy()) >= 10:
                     _kill_and_restart_worker(1)
                     kills.append(time.time())
                     return

@@ -127,7 +127,7 @@ def test_a_backup_taken_mid_window_holds_the_open_window(K, gk, tmp_path):
     # The backup after epoch 1's 2nd batch: epoch 0 applied 1 window and
     # flushed 2 batches at its end (epoch_end="apply"); 2 micro-steps open.
     reader = tf.train.load_checkpoint(str(tmp_path / "b"))
-    position = [v for k, v in ((k, reader.get_tensor(k)) for k in reader.get_variable_to_shape_map())
+    position = [reader.get_tensor(k) for k in reader.get_variable_to_shape_map()
                 if k.startswith("position/")]
     assert [p.tolist() for p in position] == [[1, 2]]
     fresh = _model(K, gk, "function", seed=7)

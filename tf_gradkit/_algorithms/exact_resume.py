@@ -74,7 +74,8 @@ def check_dataset(dataset):
 
 def _shuffle_problems(dataset):
     graph = tf.compat.v1.GraphDef()
-    graph.ParseFromString(dataset._as_serialized_graph().numpy())  # pylint: disable=protected-access
+    serialized = dataset._as_serialized_graph()  # pylint: disable=protected-access
+    graph.ParseFromString(serialized.numpy())
     node_lists = [graph.node] + [f.node_def for f in graph.library.function]
     for nodes in node_lists:
         consts = {n.name: n for n in nodes if n.op == "Const"}
