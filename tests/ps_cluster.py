@@ -17,7 +17,11 @@ Scenarios:
            windows: the held-back gradient is stale;
   accumulator  ``tf_gradkit.ConditionalAccumulator`` shared by both workers
            (``apply_grad(g, local_step=acc.global_step read first)``) and taken
-           by the chief.
+           by the chief;
+  killed   ``fit`` as in "fit" (300 steps), with worker 1 a separate process
+           (``python ps_cluster.py serve SPEC INDEX SECONDS``) that is killed
+           (SIGKILL) while training and started again on its port: the
+           coordinator re-runs the closures it held on the other worker.
 """
 
 import json
@@ -43,22 +47,65 @@ def _free_ports(n):
     return ports
 
 
-def make_cluster(workers=2, ps=1):
+def _worker_config(workers=2):
+    config = tf.compat.v1.ConfigProto()
+    config.inter_op_parallelism_threads = workers + 1  # as TF's own tests
+    return config
+
+
+def make_cluster(workers=2, ps=1, elsewhere=()):
+    """The strategy and its coordinator; the workers whose index is in
+    ``elsewhere`` are not started here (the caller starts them)."""
     ports = _free_ports(1 + workers + ps)
     spec = tf.train.ClusterSpec({
         "chief": [f"127.0.0.1:{ports[0]}"],
         "worker": [f"127.0.0.1:{p}" for p in ports[1:1 + workers]],
         "ps": [f"127.0.0.1:{p}" for p in ports[1 + workers:]]})
-    worker_config = tf.compat.v1.ConfigProto()
-    worker_config.inter_op_parallelism_threads = workers + 1  # as TF's own tests
     for i in range(workers):
-        tf.distribute.Server(spec, job_name="worker", task_index=i, protocol="grpc",
-                             config=worker_config, start=True)
+        if i not in elsewhere:
+            tf.distribute.Server(spec, job_name="worker", task_index=i, protocol="grpc",
+                                 config=_worker_config(workers), start=True)
     for i in range(ps):
         tf.distribute.Server(spec, job_name="ps", task_index=i, protocol="grpc", start=True)
+    for i in elsewhere:
+        _start_worker(spec, i)
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(spec, rpc_layer="grpc")
     strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
     return strategy, tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+
+
+_WORKERS = {}  # index -> (spec, the worker process serving it)
+_SERVE_SECONDS = 120  # a served worker leaves by itself after this
+
+
+def _start_worker(spec, index):
+    """Serves worker ``index`` of ``spec`` in a new process (bounded in time)."""
+    import subprocess  # noqa: PLC0415
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "serve",
+                             json.dumps(spec.as_dict()), str(index), str(_SERVE_SECONDS)])
+    _WORKERS[index] = (spec, proc)
+
+
+def _kill_and_restart_worker(index):
+    spec, proc = _WORKERS[index]
+    proc.kill()
+    proc.wait(timeout=30)
+    _start_worker(spec, index)
+
+
+def _stop_workers():
+    for _, proc in _WORKERS.values():
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def serve(spec, index, seconds):
+    """A worker's process: serves until killed or ``seconds`` have passed."""
+    import threading  # noqa: PLC0415
+    threading.Timer(float(seconds), lambda: os._exit(3)).start()
+    tf.distribute.Server(tf.train.ClusterSpec(json.loads(spec)), job_name="worker",
+                         task_index=int(index), protocol="grpc", config=_worker_config(),
+                         start=True).join()
 
 
 def _data():
@@ -72,7 +119,7 @@ def _model(tf_keras):
                                 tf_keras.layers.Dense(1)])
 
 
-def fit(strategy, coordinator):
+def fit(strategy, coordinator, while_training=None, steps=60):
     del coordinator
     import tf_keras  # noqa: PLC0415
 
@@ -89,15 +136,49 @@ def fit(strategy, coordinator):
         opt = GradientAccumulator(tf_keras.optimizers.SGD(0.05), steps=2, model=model,
                                   epoch_end="carry")
         model.compile(optimizer=opt, loss="mse")
+    if while_training is not None:
+        while_training(opt)
     model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=1,
-              steps_per_epoch=60, verbose=0)
+              steps_per_epoch=steps, verbose=0)
     state = [v.device for v in opt._state.acc_grads] + [  # pylint: disable=protected-access
         opt._state.micro_step.device, opt._state.weight.device, opt.version.device]
     return {"iterations": int(opt.iterations.numpy()),
             "micro_steps": int(opt.micro_steps.numpy()),
             "dropped": int(opt.dropped_gradients.numpy()),
             "open": int(opt.window_micro_step.numpy()),
-            "version": int(opt.version.numpy()), "state_devices": state}
+            "version": int(opt.version.numpy()), "state_devices": state,
+            "window_weight": float(opt._state.weight.numpy())}  # pylint: disable=protected-access
+
+
+KILLED_STEPS = 300  # long enough for the kill to land while training
+
+
+def killed(strategy, coordinator):
+    """"fit" while worker 1's process is killed (once 10 micro-steps are
+    counted: batch-level callbacks are not supported under this strategy)
+    and started again on its port."""
+    import threading  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    kills = []
+
+    def kill_when_training(opt):
+        def watch():
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                built = opt._state is not None  # pylint: disable=protected-access
+                if built and int(opt.micro_steps.numpy()) >= 10:
+                    _kill_and_restart_worker(1)
+                    kills.append(time.time())
+                    return
+                time.sleep(0.01)
+        threading.Thread(target=watch, daemon=True).start()
+
+    try:
+        result = fit(strategy, coordinator, kill_when_training, KILLED_STEPS)
+    finally:
+        _stop_workers()
+    return dict(result, kills=len(kills))
 
 
 def _busy(seconds_of_work):
@@ -176,10 +257,12 @@ def accumulator(strategy, coordinator):
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "serve":
+        serve(*sys.argv[2:])
     out, scenario = sys.argv[1], sys.argv[2]
-    strategy, coordinator = make_cluster()
-    result = {"fit": fit, "stale": stale, "accumulator": accumulator}[scenario](
-        strategy, coordinator)
+    strategy, coordinator = make_cluster(elsewhere=(1,) if scenario == "killed" else ())
+    result = {"fit": fit, "stale": stale, "accumulator": accumulator, "killed": killed}[
+        scenario](strategy, coordinator)
     with open(os.path.join(out, f"{scenario}.json"), "w") as f:
         json.dump(result, f)
     sys.stdout.flush()

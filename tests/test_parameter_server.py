@@ -10,7 +10,10 @@ What holds while both workers update at once:
 - a gradient computed against weights that another worker's window has
   since updated is dropped and counted (a worker held back on purpose);
 - `tf_gradkit.ConditionalAccumulator` shared by the workers, taken by the
-  chief while they apply: every accepted gradient is in exactly one take.
+  chief while they apply: every accepted gradient is in exactly one take;
+- a worker process killed while training: `fit` ends, and every scheduled
+  step is counted at least once (the coordinator re-runs the step the dead
+  worker held, which may already have been applied: at-least-once).
 """
 
 import json
@@ -26,6 +29,7 @@ pytestmark = [pytest.mark.multiworker, pytest.mark.skipif(
     FLAVOUR != "tf_keras", reason="Keras 3 does not support ParameterServerStrategy "
     "(keras-team/keras#18624); tf_keras does")]
 CLUSTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ps_cluster.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's tf_gradkit
 
 
 def _run(tmp_path, scenario, timeout=180):
@@ -34,7 +38,7 @@ def _run(tmp_path, scenario, timeout=180):
         try:
             code = subprocess.run([sys.executable, CLUSTER, str(tmp_path), scenario],
                                   stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
-                                  check=False).returncode
+                                  check=False, env=dict(os.environ, PYTHONPATH=ROOT)).returncode
         except subprocess.TimeoutExpired:
             code = "timeout"
     result = tmp_path / f"{scenario}.json"
@@ -71,3 +75,13 @@ def test_conditional_accumulator_shared_by_workers_loses_nothing(tmp_path):
     assert r["accepted"] + r["dropped"] == 40
     assert r["global_step"] == len(r["taken"])
     assert r["device"].startswith("/job:ps/")
+
+
+def test_a_killed_worker_is_replaced_and_each_step_counted_at_least_once(tmp_path):
+    r = _run(tmp_path, "killed", timeout=150)
+    assert r["kills"] == 1, r  # while training
+    # At least once: the 300 scheduled steps, plus at most the one step the
+    # killed worker held (re-run on the other worker; it may have been
+    # applied before the worker died).
+    assert 300 <= r["micro_steps"] + r["dropped"] <= 301, r
+    assert r["iterations"] >= 10, r

@@ -126,9 +126,11 @@ class GradientAccumulator(Wrapper):
     each replica accumulates locally; the one cross-replica gradient
     reduction happens when the window closes. Under ``ParameterServerStrategy``
     (tf_keras) the window lives on the parameter servers, each micro-step
-    holds a mutex there (every window takes exactly ``steps`` accepted
-    micro-steps) and, under ``fit``, a gradient computed against weights that
-    another worker's window has since updated is dropped as stale.
+    holds a mutex there (while the workers live, every window takes exactly
+    ``steps`` accepted micro-steps; a worker's death makes its step
+    at-least-once, docs/distributed.md) and, under ``fit``, a gradient
+    computed against weights that another worker's window has since updated
+    is dropped as stale.
 
     Example:
 

@@ -361,3 +361,22 @@ def watch_applied_gradients(optimizer, record):
 
     object.__setattr__(optimizer, "apply", apply)
     return lambda: object.__delattr__(optimizer, "apply")
+
+
+# ------------------------------------------- where fit starts (exact_resume)
+def resume_fit_at(model, epoch, step):
+    """Makes the next ``fit`` start at ``epoch`` (Keras 3's own
+    ``BackupAndRestore`` does the same). Keras 3's ``fit`` has no first step:
+    it runs that epoch from its first step, so returns True."""
+    del step
+    model._initial_epoch = epoch  # pylint: disable=protected-access
+    return True
+
+
+def forget_resume(model):
+    """Once ``fit`` has read it: a later ``fit`` starts where it is told."""
+    model._initial_epoch = None  # pylint: disable=protected-access
+
+
+def steps_per_execution(model):
+    return int(model.steps_per_execution or 1)

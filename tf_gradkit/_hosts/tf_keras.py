@@ -313,3 +313,44 @@ def watch_applied_gradients(optimizer, record):
 
     object.__setattr__(optimizer, "apply_gradients", apply_gradients)
     return lambda: object.__delattr__(optimizer, "apply_gradients")
+
+
+# ------------------------------------------- where fit starts (exact_resume)
+class _StartAt:
+    """What tf_keras's ``fit`` asks ``model._training_state`` (as its own
+    ``BackupAndRestore`` leaves there) for the epoch and step to start at."""
+
+    def __init__(self, epoch, step):
+        self.epoch, self.step = epoch, step
+
+    def maybe_load_initial_counters_from_ckpt(self, steps_per_epoch, initial_epoch, mode):
+        del steps_per_epoch, initial_epoch, mode
+        return self.epoch, self.step
+
+
+def resume_fit_at(model, epoch, step):
+    """Makes the next ``fit`` start at ``step`` of ``epoch`` (tf_keras's
+    ``fit`` counts its steps from there): returns False."""
+    _check_no_other_start(model)
+    model._training_state = _StartAt(epoch, step)  # pylint: disable=protected-access
+    return False
+
+
+def forget_resume(model):
+    """Once ``fit`` has read it. Refuses tf_keras's own ``BackupAndRestore``
+    in the same ``fit`` (it would set the start too)."""
+    _check_no_other_start(model)
+    model._training_state = None  # pylint: disable=protected-access
+
+
+def _check_no_other_start(model):
+    state = getattr(model, "_training_state", None)
+    if state is not None and not isinstance(state, _StartAt):
+        raise ValueError(
+            "ExactBackupAndRestore cannot run with tf_keras's BackupAndRestore in the "
+            "same fit (both set where fit starts); use one of them.")
+
+
+def steps_per_execution(model):
+    value = getattr(model, "_steps_per_execution", None)
+    return 1 if value is None else int(value.numpy())

@@ -2,6 +2,6 @@
 
 from tf_gradkit import _flavour
 
-__all__ = ["PreciseBatchNorm", "UpdateMonitor"]
+__all__ = ["ExactBackupAndRestore", "PreciseBatchNorm", "UpdateMonitor"]
 
 __getattr__, __dir__ = _flavour.lazy_exports(__name__, __all__, submodule="callbacks")
