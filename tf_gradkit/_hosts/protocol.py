@@ -29,7 +29,6 @@ module, has the same ``saving``, ``optimizers``, ``constraints`` and
   (``_prepare``, ``_build_slots``, ``_update_one``).
 """
 
-import importlib
 import inspect
 import os
 import sys
@@ -290,30 +289,70 @@ class OptimizerHost:
         return cls.KERAS.saving.get_registered_object(name)
 
     def _saved_function(self, fn):
-        """``{"fn": ...}`` for a function Keras can save by name (defined at
-        a module's top level), ``{}`` for a lambda or closure."""
+        """``{"fn": ...}`` for a function that can be saved by name, ``{}``
+        for a lambda or closure (or a function its module does not hold).
+
+        A registered function (``keras.saving.register_keras_serializable``)
+        is saved as Keras saves it (``package>name``). For any other function
+        defined at a module's top level (or in a class body) Keras writes
+        only its bare name, under the module ``"builtins"``; we write its
+        module and qualified name instead, so that it loads back
+        (`_load_function`)."""
         qualname = getattr(fn, "__qualname__", "")
         if (not inspect.isfunction(fn) or "<" in qualname
                 or fn.__closure__ is not None):
             return {}
-        return {"fn": self._serialize(fn)}
+        saved = self._serialize(fn)
+        if (isinstance(saved, dict) and saved.get("module") == "builtins"
+                and ">" not in str(saved.get("config"))):  # not registered
+            if _imported_function(fn.__module__, qualname) is not fn:
+                return {}
+            saved = dict(saved, module=fn.__module__, config=qualname)
+        return {"fn": saved}
 
     @classmethod
     def _load_function(cls, saved, custom_objects):
-        """The function `_saved_function` saved: by its registered name, else
-        its module and name (legacy deserialisation, used by HDF5 and
-        SavedModel loading, knows neither form)."""
-        if isinstance(saved, dict):
-            registered = saved.get("registered_name")
-            fn = (custom_objects or {}).get(saved.get("config"))
-            if fn is None and registered:
-                fn = cls._registered(registered)
-            if fn is None and saved.get("module"):
-                module = importlib.import_module(saved["module"])
-                fn = getattr(module, saved.get("config"), None)
-            if fn is not None:
-                return fn
-        return cls._deserialize_function(saved, custom_objects=custom_objects)
+        """The function `_saved_function` saved, looked up in
+        ``custom_objects``, then among the registered functions (as
+        ``package>name``, and by the bare name that tf_keras <= 2.18 and
+        Keras <= 3.6 wrote for a registered function), then as its module's
+        top-level function when that module is imported; else Keras's own
+        lookup (its built-in functions).
+
+        A saved file never makes us import a module: Keras 3 imports none
+        outside Keras either (a file could name any module), so a function
+        saved by module comes back when its module has been imported (as
+        Keras needs a registered class's module imported)."""
+        if not (isinstance(saved, dict) and saved.get("class_name") == "function"
+                and isinstance(saved.get("config"), str)):
+            return cls._deserialize_function(saved, custom_objects=custom_objects)
+        name, module = saved["config"], saved.get("module")
+        fn = (custom_objects or {}).get(name) or cls._registered(name)
+        if fn is None and module and module != "builtins":
+            fn = _imported_function(module, name)
+        if fn is None and ">" not in name:
+            fn = cls._registered_bare_name(name, custom_objects)
+        if fn is not None:
+            return fn
+        try:
+            return cls._deserialize_function(saved, custom_objects=custom_objects)
+        except (TypeError, ValueError) as error:
+            raise ValueError(_missing_function(name, module)) from error
+
+    @classmethod
+    def _registered_bare_name(cls, name, custom_objects):
+        """The function registered as ``<package>>name`` (what a bare name
+        saved by tf_keras <= 2.18 or Keras <= 3.6 means), if only one is."""
+        known = dict(cls.KERAS.saving.get_custom_objects(), **(custom_objects or {}))
+        found = {key: obj for key, obj in known.items()
+                 if key.endswith(">" + name) and callable(obj)}
+        if len(found) > 1:
+            raise ValueError(
+                f"A function saved by its bare name {name!r} (how tf_keras <= 2.18 "
+                f"and Keras <= 3.6 save a registered function) matches several "
+                f"registered functions: {sorted(found)}. Pass the one it is as "
+                f"custom_objects={{{name!r}: fn}}.")
+        return next(iter(found.values()), None)
 
     # ------------------------------------------------------ other optimizers
     @classmethod
@@ -353,6 +392,36 @@ class WrapperHost(OptimizerHost):
 
     def finalize_variable_values(self, var_list):
         self._finalize(var_list)
+
+
+def _imported_function(module_name, qualname):
+    """The plain function ``module_name.qualname`` if that module is
+    imported, else None."""
+    obj = sys.modules.get(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    if (inspect.isfunction(obj) and obj.__module__ == module_name
+            and obj.__qualname__ == qualname):
+        return obj
+    return None
+
+
+def _missing_function(name, module):
+    """What to do when a saved function is not found here."""
+    if module and module != "builtins":
+        where = (f"define `{name}` again in the script (module __main__) that loads"
+                 if module == "__main__" else f"`import {module}` before loading")
+        return (
+            f"This optimizer was saved with the function `{module}.{name}`, which "
+            f"is not here: {where} (tf_gradkit never imports a module a saved "
+            "file names), or register the function with "
+            "`keras.saving.register_keras_serializable()` before saving, or pass "
+            f"custom_objects={{{name!r}: fn}} to load_model (or from_config).")
+    return (
+        f"This optimizer was saved with the function {name!r}, which is not "
+        "registered here: register it with `keras.saving.register_keras_serializable()` "
+        "(import the module that does) before loading, or pass "
+        f"custom_objects={{{name!r}: fn}} to load_model (or from_config).")
 
 
 def constraint_class(set_class, keras, module_name, check_backend):
