@@ -290,25 +290,26 @@ class OptimizerHost:
 
     def _saved_function(self, fn):
         """``{"fn": ...}`` for a function that can be saved by name, ``{}``
-        for a lambda or closure (or a function its module does not hold).
+        for a lambda or an unregistered closure or local function (or one its
+        module does not hold under its name).
 
-        A registered function (``keras.saving.register_keras_serializable``)
-        is saved as Keras saves it (``package>name``). For any other function
-        defined at a module's top level (or in a class body) Keras writes
-        only its bare name, under the module ``"builtins"``; we write its
-        module and qualified name instead, so that it loads back
-        (`_load_function`)."""
-        qualname = getattr(fn, "__qualname__", "")
-        if (not inspect.isfunction(fn) or "<" in qualname
-                or fn.__closure__ is not None):
+        A registered function (``keras.saving.register_keras_serializable``,
+        wherever it is defined) is saved as Keras saves it:
+        ``package>name``. For any other function defined at a module's top
+        level (or in a class body) Keras would write only its bare name (under
+        the module ``"builtins"`` or, in tf_keras's HDF5 and SavedModel
+        files, alone); we write its module and qualified name, so that it
+        loads back (`_load_function`)."""
+        if not inspect.isfunction(fn) or fn.__name__ == "<lambda>":
             return {}
-        saved = self._serialize(fn)
-        if (isinstance(saved, dict) and saved.get("module") == "builtins"
-                and ">" not in str(saved.get("config"))):  # not registered
-            if _imported_function(fn.__module__, qualname) is not fn:
-                return {}
-            saved = dict(saved, module=fn.__module__, config=qualname)
-        return {"fn": saved}
+        if ">" in self.KERAS.saving.get_registered_name(fn):
+            return {"fn": self._serialize(fn)}
+        qualname = fn.__qualname__
+        if ("<" in qualname or fn.__closure__ is not None
+                or _imported_function(fn.__module__, qualname) is not fn):
+            return {}
+        return {"fn": {"module": fn.__module__, "class_name": "function",
+                       "config": qualname, "registered_name": None}}
 
     @classmethod
     def _load_function(cls, saved, custom_objects):
@@ -317,16 +318,19 @@ class OptimizerHost:
         ``package>name``, and by the bare name that tf_keras <= 2.18 and
         Keras <= 3.6 wrote for a registered function), then as its module's
         top-level function when that module is imported; else Keras's own
-        lookup (its built-in functions).
+        lookup (its built-in functions; tf_keras also imports the module a
+        file names, Keras 3 does not).
 
-        A saved file never makes us import a module: Keras 3 imports none
-        outside Keras either (a file could name any module), so a function
-        saved by module comes back when its module has been imported (as
-        Keras needs a registered class's module imported)."""
-        if not (isinstance(saved, dict) and saved.get("class_name") == "function"
-                and isinstance(saved.get("config"), str)):
+        We never import a module a saved file names (a file could name any
+        module): a function saved by module comes back when its module has
+        been imported, as Keras needs a registered class's module imported."""
+        if isinstance(saved, str):  # tf_keras's legacy form (HDF5, SavedModel)
+            name, module = saved, None
+        elif (isinstance(saved, dict) and saved.get("class_name") == "function"
+              and isinstance(saved.get("config"), str)):
+            name, module = saved["config"], saved.get("module")
+        else:
             return cls._deserialize_function(saved, custom_objects=custom_objects)
-        name, module = saved["config"], saved.get("module")
         fn = (custom_objects or {}).get(name) or cls._registered(name)
         if fn is None and module and module != "builtins":
             fn = _imported_function(module, name)
@@ -336,7 +340,7 @@ class OptimizerHost:
             return fn
         try:
             return cls._deserialize_function(saved, custom_objects=custom_objects)
-        except (TypeError, ValueError) as error:
+        except (TypeError, ValueError, AttributeError) as error:
             raise ValueError(_missing_function(name, module)) from error
 
     @classmethod
