@@ -37,7 +37,7 @@ from tf_gradkit import _hosts
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FORMATS = {"keras3": ["keras"], "tf_keras": ["keras", "h5", "savedmodel"]}[FLAVOUR]
 FILES = {"keras": "m.keras", "h5": "m.h5", "savedmodel": "saved"}
-CHILD_TIMEOUT_S = 240
+CHILD_TIMEOUT_S = 300
 NEEDS_FUNCTIONS = ("AugmentedLagrangian", "GradientAccumulator-sample_count")
 
 
@@ -290,6 +290,38 @@ def test_deserialize_and_from_config_in_a_fresh_process(fresh, name):
     fn = {"GradientAccumulator": saved_functions.count_examples,
           "AugmentedLagrangian": saved_functions.mean_output_at_most_half}[name]
     assert got == {"function": f"saved_functions.{fn.__qualname__}", "same": True}
+
+
+_LATER = r"""
+import os, sys
+before = dict(os.environ)
+import tf_gradkit
+assert {later!r} not in sys.modules, "TensorFlow imported it"
+import {later} as K
+from tf_gradkit._hosts import OPTIMIZERS
+from tf_gradkit.core.sets import SETS
+names = (list(OPTIMIZERS) + [s.__name__ for s in SETS] + ["AccumBatchNormalization"]
+         + (["MaskAware"] if {later!r} == "tf_keras" else []))
+found = {{n: K.saving.get_registered_object("tf_gradkit>" + n) for n in names}}
+wrong = {{n: c for n, c in found.items() if c is None
+         or not c.__module__.startswith(("tf_gradkit.{package}", "tf_gradkit.pruning"))}}
+assert not wrong, wrong
+assert "tensorflow_model_optimization" not in sys.modules
+assert dict(os.environ) == before, "environment changed"
+assert not [f for f in sys.meta_path if type(f).__module__ == "tf_gradkit._registration"]
+"""
+
+
+def test_a_keras_imported_after_tf_gradkit_has_its_classes_registered():
+    # TensorFlow imports the Keras tf.keras is; the other one, imported
+    # later (by tfmot, say), gets every class a saved file can name as soon
+    # as its import finishes; tfmot is not imported for MaskAware.
+    later = "keras" if FLAVOUR == "tf_keras" else "tf_keras"
+    package = "keras3" if later == "keras" else "tf_keras"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", _LATER.format(later=later, package=package)],
+                         env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    assert out.returncode == 0, out.stderr[-3000:]
 
 
 # --------------------------------------------------------- in this process
