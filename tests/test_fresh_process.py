@@ -1,6 +1,7 @@
-"""A saved model loads in a FRESH process that imports tf_gradkit and Keras,
-nothing else: every optimizer of `_hosts.OPTIMIZERS` (and, in tf_keras,
-pruning.MaskAware), in every format the flavour keeps an optimizer in.
+"""A saved model loads in a FRESH process that imports TensorFlow and
+tf_gradkit, nothing else (``tf.keras.models.load_model``): every optimizer of
+`_hosts.OPTIMIZERS` (and, in tf_keras, pruning.MaskAware), in every format the
+flavour keeps an optimizer in.
 
 The suite's own process registered every class long before it loads
 anything, so only a new interpreter shows what a user's ``import tf_gradkit``
@@ -13,10 +14,9 @@ the same as here, to the last bit (the same graph on the same data).
 Functions registered with no Keras (an AugmentedLagrangian constraint, a
 GradientAccumulator ``sample_count``, in ``tests/saved_functions.py``) are
 saved by module and qualified name: the child loads them once it has
-imported their module (before that, loading says to import it: tf_gradkit
-never imports a module a file names), by ``load_model``,
-``keras.optimizers.deserialize`` and ``from_config``.
-"""
+imported their module (before that, Keras 3 loading says to import it:
+tf_gradkit never imports a module a file names; tf_keras's own lookup does),
+by ``load_model``, ``keras.optimizers.deserialize`` and ``from_config``."""
 
 import json
 import os
@@ -113,14 +113,15 @@ def _snapshot(model):
             "variables": [np.asarray(v).tolist() for v in model.optimizer.variables]}
 
 
-# The child: `import tf_gradkit` and the flavour's Keras, nothing else, then
-# every case that needs no user function; then (an error that says to import
-# it first) the module of the saved functions, and the cases that use them.
+# The child: `import tensorflow` and `import tf_gradkit`, nothing else, then
+# `tf.keras.models.load_model` of every case that needs no user function; then
+# (an error that says to import it first, in Keras 3) the module of the saved
+# functions, the cases that use them, and Keras's `deserialize`.
 _CHILD = r"""
 import json, sys, traceback
 import numpy as np
+import tensorflow as tf
 import tf_gradkit
-import {keras} as K
 
 job = json.load(open(sys.argv[1]))
 data = np.load(job["data"])
@@ -132,10 +133,10 @@ def snapshot(model):
 
 def load(case):
     if not case["pruned"]:
-        return K.models.load_model(case["path"])
+        return tf.keras.models.load_model(case["path"])
     import tensorflow_model_optimization as tfmot  # tfmot's layer, in its scope
     with tfmot.sparsity.keras.prune_scope():
-        return K.models.load_model(case["path"])
+        return tf.keras.models.load_model(case["path"])
 
 def run(case):
     model = load(case)
@@ -174,6 +175,7 @@ import saved_functions
 for case in cases:
     if case["needs_functions"]:
         attempt(case["key"], lambda: run(case))
+import {keras} as K
 for name, serialized in job["serialized"].items():
     def deserialized():
         optimizer = K.optimizers.deserialize(json.loads(serialized))
