@@ -328,21 +328,28 @@ def test_a_keras_imported_after_tf_gradkit_has_its_classes_registered():
 
 # --------------------------------------------------------- in this process
 def _fn_of(optimizer):
-    return (optimizer.sample_count if hasattr(optimizer, "sample_count")
-            else optimizer._specs[0].fn)
+    if hasattr(optimizer, "sample_count"):
+        return optimizer.sample_count
+    if hasattr(optimizer, "residuals"):
+        return optimizer.residuals
+    return optimizer._specs[0].fn
 
 
 def _with(gk, K, name, fn):
     if name == "GradientAccumulator":
         return gk.GradientAccumulator(K.optimizers.SGD(0.1), 2, sample_count=fn)
+    if name == "LevenbergMarquardt":
+        return gk.LevenbergMarquardt(residuals=fn)
     return gk.AugmentedLagrangian(K.optimizers.SGD(0.1), [gk.Inequality(fn, name="c")])
 
 
-@pytest.mark.parametrize("name", ["GradientAccumulator", "AugmentedLagrangian"])
+@pytest.mark.parametrize("name", ["GradientAccumulator", "AugmentedLagrangian",
+                                  "LevenbergMarquardt"])
 def test_top_level_and_class_body_functions_round_trip(K, gk, name):
     fns = {"GradientAccumulator": (saved_functions.count_examples,
                                    saved_functions.Counts.examples),
-           "AugmentedLagrangian": (saved_functions.mean_output_at_most_half,)}[name]
+           "AugmentedLagrangian": (saved_functions.mean_output_at_most_half,),
+           "LevenbergMarquardt": (saved_functions.output_minus_target,)}[name]
     for fn in fns:
         optimizer = _with(gk, K, name, fn)
         saved = json.loads(json.dumps(optimizer.get_config()))
