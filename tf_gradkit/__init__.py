@@ -3,12 +3,15 @@
 Public names resolve to the Keras flavour that ``tf.keras`` is in this process
 (Keras 3 by default, tf_keras when ``TF_USE_LEGACY_KERAS=1``); both flavours are
 reachable explicitly as ``tf_gradkit.keras3`` and ``tf_gradkit.tf_keras``.
-Importing tf_gradkit sets no environment variable and imports no Keras: each
-flavour is imported the first time one of its names is used.
+Importing tf_gradkit sets no environment variable and imports no Keras of its
+own; it registers its classes with each Keras that is imported (TensorFlow
+imports the one ``tf.keras`` is; another one when its import finishes), so
+that ``import tf_gradkit`` is all ``load_model`` needs.
 """
 
 import importlib
 
+from tf_gradkit import _registration
 from tf_gradkit.core.augmented_lagrangian import ConstraintSpec
 from tf_gradkit.core.augmented_lagrangian import Equality
 from tf_gradkit.core.augmented_lagrangian import Inequality
@@ -111,3 +114,9 @@ def __getattr__(name):
     if name in _LAZY_SUBMODULES:
         return importlib.import_module(f"tf_gradkit.{name}")
     raise AttributeError(f"module 'tf_gradkit' has no attribute {name!r}")
+
+
+# `load_model` needs no more than `import tf_gradkit`: the classes of each
+# Keras imported (TensorFlow imports the one `tf.keras` is) are registered
+# now, those of a Keras imported later as soon as it is (`_registration`).
+_registration.register_flavours()

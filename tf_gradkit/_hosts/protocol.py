@@ -29,7 +29,6 @@ module, has the same ``saving``, ``optimizers``, ``constraints`` and
   (``_prepare``, ``_build_slots``, ``_update_one``).
 """
 
-import importlib
 import inspect
 import os
 import sys
@@ -293,30 +292,74 @@ class OptimizerHost:
         return cls.KERAS.saving.get_registered_object(name)
 
     def _saved_function(self, fn):
-        """``{"fn": ...}`` for a function Keras can save by name (defined at
-        a module's top level), ``{}`` for a lambda or closure."""
-        qualname = getattr(fn, "__qualname__", "")
-        if (not inspect.isfunction(fn) or "<" in qualname
-                or fn.__closure__ is not None):
+        """``{"fn": ...}`` for a function that can be saved by name, ``{}``
+        for a lambda or an unregistered closure or local function (or one its
+        module does not hold under its name).
+
+        A registered function (``keras.saving.register_keras_serializable``,
+        wherever it is defined) is saved as Keras saves it:
+        ``package>name``. For any other function defined at a module's top
+        level (or in a class body) Keras would write only its bare name (under
+        the module ``"builtins"`` or, in tf_keras's HDF5 and SavedModel
+        files, alone); we write its module and qualified name, so that it
+        loads back (`_load_function`)."""
+        if not inspect.isfunction(fn) or fn.__name__ == "<lambda>":
             return {}
-        return {"fn": self._serialize(fn)}
+        if ">" in self.KERAS.saving.get_registered_name(fn):
+            return {"fn": self._serialize(fn)}
+        qualname = fn.__qualname__
+        if ("<" in qualname or fn.__closure__ is not None
+                or _imported_function(fn.__module__, qualname) is not fn):
+            return {}
+        return {"fn": {"module": fn.__module__, "class_name": "function",
+                       "config": qualname, "registered_name": None}}
 
     @classmethod
     def _load_function(cls, saved, custom_objects):
-        """The function `_saved_function` saved: by its registered name, else
-        its module and name (legacy deserialisation, used by HDF5 and
-        SavedModel loading, knows neither form)."""
-        if isinstance(saved, dict):
-            registered = saved.get("registered_name")
-            fn = (custom_objects or {}).get(saved.get("config"))
-            if fn is None and registered:
-                fn = cls._registered(registered)
-            if fn is None and saved.get("module"):
-                module = importlib.import_module(saved["module"])
-                fn = getattr(module, saved.get("config"), None)
-            if fn is not None:
-                return fn
-        return cls._deserialize_function(saved, custom_objects=custom_objects)
+        """The function `_saved_function` saved, looked up in
+        ``custom_objects``, then among the registered functions (as
+        ``package>name``, and by the bare name that tf_keras <= 2.18 and
+        Keras <= 3.6 wrote for a registered function), then as its module's
+        top-level function when that module is imported; else Keras's own
+        lookup (its built-in functions; tf_keras also imports the module a
+        file names, Keras 3 does not).
+
+        We never import a module a saved file names (a file could name any
+        module): a function saved by module comes back when its module has
+        been imported, as Keras needs a registered class's module imported."""
+        if isinstance(saved, str):  # tf_keras's legacy form (HDF5, SavedModel)
+            name, module = saved, None
+        elif (isinstance(saved, dict) and saved.get("class_name") == "function"
+              and isinstance(saved.get("config"), str)):
+            name, module = saved["config"], saved.get("module")
+        else:
+            return cls._deserialize_function(saved, custom_objects=custom_objects)
+        fn = (custom_objects or {}).get(name) or cls._registered(name)
+        if fn is None and module and module != "builtins":
+            fn = _imported_function(module, name)
+        if fn is None and ">" not in name:
+            fn = cls._registered_bare_name(name, custom_objects)
+        if fn is not None:
+            return fn
+        try:
+            return cls._deserialize_function(saved, custom_objects=custom_objects)
+        except (TypeError, ValueError, AttributeError) as error:
+            raise ValueError(_missing_function(name, module)) from error
+
+    @classmethod
+    def _registered_bare_name(cls, name, custom_objects):
+        """The function registered as ``<package>>name`` (what a bare name
+        saved by tf_keras <= 2.18 or Keras <= 3.6 means), if only one is."""
+        known = dict(cls.KERAS.saving.get_custom_objects(), **(custom_objects or {}))
+        found = {key: obj for key, obj in known.items()
+                 if key.endswith(">" + name) and callable(obj)}
+        if len(found) > 1:
+            raise ValueError(
+                f"A function saved by its bare name {name!r} (how tf_keras <= 2.18 "
+                f"and Keras <= 3.6 save a registered function) matches several "
+                f"registered functions: {sorted(found)}. Pass the one it is as "
+                f"custom_objects={{{name!r}: fn}}.")
+        return next(iter(found.values()), None)
 
     # ------------------------------------------------------ other optimizers
     @classmethod
@@ -356,6 +399,36 @@ class WrapperHost(OptimizerHost):
 
     def finalize_variable_values(self, var_list):
         self._finalize(var_list)
+
+
+def _imported_function(module_name, qualname):
+    """The plain function ``module_name.qualname`` if that module is
+    imported, else None."""
+    obj = sys.modules.get(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    if (inspect.isfunction(obj) and obj.__module__ == module_name
+            and obj.__qualname__ == qualname):
+        return obj
+    return None
+
+
+def _missing_function(name, module):
+    """What to do when a saved function is not found here."""
+    if module and module != "builtins":
+        where = (f"define `{name}` again in the script (module __main__) that loads"
+                 if module == "__main__" else f"`import {module}` before loading")
+        return (
+            f"This optimizer was saved with the function `{module}.{name}`, which "
+            f"is not here: {where} (tf_gradkit never imports a module a saved "
+            "file names), or register the function with "
+            "`keras.saving.register_keras_serializable()` before saving, or pass "
+            f"custom_objects={{{name!r}: fn}} to load_model (or from_config).")
+    return (
+        f"This optimizer was saved with the function {name!r}, which is not "
+        "registered here: register it with `keras.saving.register_keras_serializable()` "
+        "(import the module that does) before loading, or pass "
+        f"custom_objects={{{name!r}: fn}} to load_model (or from_config).")
 
 
 def constraint_class(set_class, keras, module_name, check_backend):

@@ -90,6 +90,11 @@ class UpdatePruningStepFromOptimizer(tf_keras.callbacks.Callback):
                 f"{per_execution} with gradient accumulation is not supported "
                 "(the step is set once per execution, so the layers would "
                 "count micro-batches). Compile with steps_per_execution=1.")
+        optimizer = self.model.optimizer
+        if getattr(optimizer, "_saved_model_dir", None):
+            # Loaded from a tf_keras SavedModel: its state, `iterations` too,
+            # is read back when it is built, which must precede the first sync.
+            optimizer.build(self.model.trainable_variables)
         self._sync()
 
     def on_train_batch_begin(self, batch, logs=None):
