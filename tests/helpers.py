@@ -59,7 +59,7 @@ def make_train_step(model, optimizer, mode):
 
 def max_abs_diff(a_list, b_list):
     """The largest |a - b| over pairs of arrays: NaN if either side holds a
-    NaN the other does not match (numpy's max keeps NaN; Python's `max` would drop it unless it came
+    NaN (numpy's max keeps NaN; Python's `max` would drop it unless it came
     first), and an error if the lists differ in length or shape."""
     a_list, b_list = list(a_list), list(b_list)
     assert len(a_list) == len(b_list), (len(a_list), len(b_list))
@@ -68,7 +68,8 @@ def max_abs_diff(a_list, b_list):
         a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
         assert a.shape == b.shape, (a.shape, b.shape)
         # Equal values (equal infinities too) differ by 0; NaN stays NaN.
-        diffs.append(np.max(np.where(a == b, 0.0, np.abs(a - b))) if a.size else 0.0)
+        with np.errstate(invalid="ignore"):
+            diffs.append(np.max(np.where(a == b, 0.0, np.abs(a - b))) if a.size else 0.0)
     return float(np.max(diffs)) if diffs else 0.0
 
 
