@@ -90,11 +90,7 @@ class UpdatePruningStepFromOptimizer(tf_keras.callbacks.Callback):
                 f"{per_execution} with gradient accumulation is not supported "
                 "(the step is set once per execution, so the layers would "
                 "count micro-batches). Compile with steps_per_execution=1.")
-        optimizer = self.model.optimizer
-        if getattr(optimizer, "_saved_model_dir", None):
-            # Loaded from a tf_keras SavedModel: its state, `iterations` too,
-            # is read back when it is built, which must precede the first sync.
-            optimizer.build(self.model.trainable_variables)
+        _build_if_loaded(self.model.optimizer, self.model)
         self._sync()
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -109,6 +105,15 @@ class UpdatePruningStepFromOptimizer(tf_keras.callbacks.Callback):
     def _sync(self):
         if self.prunable_layers:
             _set_steps(self.prunable_layers, self.model.optimizer.iterations)
+
+
+def _build_if_loaded(optimizer, model):
+    """Builds an optimizer loaded from a tf_keras SavedModel: its state,
+    ``iterations`` too, is read back when it is built, which must precede
+    the first read of its step (else the step reads 0 and pruned weights
+    come back to life)."""
+    if getattr(optimizer, "_saved_model_dir", None):
+        optimizer.build(model.trainable_variables)
 
 
 class PruningStepper:
@@ -151,6 +156,7 @@ class PruningStepper:
             _masks.check_optimizer(optimizer, "PruningStepper")
         self.model = model
         self._optimizer = optimizer
+        self._loaded_checked = False
         with tf.init_scope():
             # The last step the masks were brought up to date for.
             self._masked_step = tf.Variable(
@@ -173,6 +179,10 @@ class PruningStepper:
 
     def before_step(self):
         """Brings step and masks up to date; call before each forward pass."""
+        if tf.executing_eagerly() or not self._loaded_checked:
+            with tf.init_scope():
+                _build_if_loaded(self.optimizer, self.model)
+            self._loaded_checked = True
         done = tf.cast(self.optimizer.iterations, tf.int64)
         step = done + 1
         _set_steps(self._wrappers, step)
