@@ -190,6 +190,9 @@ def test_clip_args(case):
         else:
             opt = case.gk.ConditionalGradient(0.1, **{arg: 0.1})
             assert getattr(opt, arg) == 0.1
+    if case.wrapper and KERAS3:  # nor the wrapper's own loss scale: the inner's
+        with pytest.raises(TypeError, match="loss_scale_factor"):
+            type(opt)(case.inner_optimizer(), **_required(case), loss_scale_factor=2.0)
     if not case.wrapper and KERAS3:  # tf_keras does not check this
         with pytest.raises(ValueError, match="Only one of"):
             case.gk.ConditionalGradient(0.1, clipnorm=0.1, clipvalue=0.1)
