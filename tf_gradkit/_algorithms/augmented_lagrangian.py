@@ -130,7 +130,7 @@ class AugmentedLagrangian(Wrapper):
             raise unexpected_arguments(OWNER, kwargs, self.ACCEPTED)
         specs = rule.validate_arguments(constraints, dual_every, initial_penalty,
                                    growth, max_penalty, decrease, tolerance)
-        self._init_wrapper(optimizer, name or "augmented_lagrangian", {})
+        self._init_wrapper(optimizer, name, {})
         if model is not None:
             self._check_model(model)
         self._specs = list(specs)
@@ -294,10 +294,16 @@ class AugmentedLagrangian(Wrapper):
             # that) get the whole term; otherwise each replica adds 1/R of it
             # and the inner optimizer's sum over replicas restores it.
             replicas = 1 if aggregated else _replicas()
-            grads = [_add(g, e, v, replicas) for g, e, v in zip(grads, extra, variables)]
+            # The loss, and so its gradients, carry the inner chain's static
+            # loss scale (Keras 3's `loss_scale_factor`), which the inner
+            # optimizer divides out: the terms get it too.
+            scale = self._inner_loss_scale()
+            grads = [_add(g, e, v, replicas, scale)
+                     for g, e, v in zip(grads, extra, variables)]
             for i, v in zip(closure, values):
                 self._values[i].assign(tf.reshape(
                     tf.stop_gradient(tf.cast(v, tf.float32)), self._values[i].shape))
+        self._warn_missing_gradients(grads, variables)
         pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
         if pairs:
             self._inner_apply([g for g, _ in pairs], [v for _, v in pairs],
@@ -416,10 +422,12 @@ class AugmentedLagrangian(Wrapper):
         return optimizer
 
 
-def _add(grad, extra, variable, replicas):
+def _add(grad, extra, variable, replicas, scale=1.0):
     if extra is None:
         return grad
     extra = tf.cast(extra, variable.dtype)
+    if scale != 1.0:
+        extra = tf.convert_to_tensor(extra) * tf.cast(scale, variable.dtype)
     if replicas > 1:
         extra = extra / replicas
     if grad is None:

@@ -84,7 +84,7 @@ class ConditionalGradient:
         self._check_backend()
         frank_wolfe.validate_arguments(learning_rate, lambda_, epsilon, ord, k,
                                        power_iterations)
-        self._init_base(name or "conditional_gradient", learning_rate, **kwargs)
+        self._init_base(name, learning_rate, **kwargs)
         self.lambda_ = dict(lambda_) if isinstance(lambda_, dict) else float(lambda_)
         self.epsilon = epsilon
         self.ord = ord

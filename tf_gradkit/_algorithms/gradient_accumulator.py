@@ -158,7 +158,7 @@ class GradientAccumulator(Wrapper):
                  epoch_end="apply", nonfinite="skip", sample_count=None, name=None,
                  **kwargs):
         validate_arguments(steps, reduction, epoch_end, nonfinite, sample_count)
-        self._init_wrapper(optimizer, name or "gradient_accumulator", kwargs)
+        self._init_wrapper(optimizer, name, kwargs)
         self.steps = steps
         self.reduction = reduction
         self.epoch_end = epoch_end
@@ -197,6 +197,8 @@ class GradientAccumulator(Wrapper):
 
     # ------------------------------------------------------------------ state
     def _build_own(self, var_list):
+        _refuse_overwrite_with_gradient(var_list, self.steps)
+
         def make_variable(reference, name, per_replica=True, dtype=None):
             ref = reference if getattr(reference, "name", None) else None  # named after it
             return self._new_variable(reference.shape, dtype or reference.dtype, name,
@@ -258,6 +260,7 @@ class GradientAccumulator(Wrapper):
                 "variable, as (gradient, variable) pairs.")
         if all(g is None for g in grads):
             raise no_gradients_error(variables)
+        self._warn_missing_gradients(grads, variables)
         if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
             raise ValueError(
                 "GradientAccumulator.apply_gradients must be called in replica "
@@ -550,6 +553,22 @@ def _missing_batch_sizes(awaiting_model):
         "sample_count=n) in a custom loop. To weigh every micro-batch equally "
         "(what Keras's own gradient_accumulation_steps does), pass "
         "reduction='microbatch'.")
+
+
+def _refuse_overwrite_with_gradient(var_list, steps):
+    """Keras 3 overwrites a variable marked ``overwrite_with_gradient``
+    (float8 scales and amax histories) with its gradient, and under its own
+    accumulation with the element-wise max over the window; a window's
+    weighted mean would be wrong, so such variables are refused (steps > 1)."""
+    marked = [getattr(v, "path", None) or v.name for v in var_list
+              if getattr(v, "overwrite_with_gradient", False)]
+    if marked and steps > 1:
+        raise ValueError(
+            f"GradientAccumulator(steps={steps}) cannot accumulate {marked}: they are "
+            "marked overwrite_with_gradient (float8 training state), which Keras "
+            "overwrites with the element-wise max of the window's gradients, not "
+            "their mean. Use the inner optimizer's own "
+            f"gradient_accumulation_steps={steps} instead of GradientAccumulator.")
 
 
 def _check_numerics(grads):

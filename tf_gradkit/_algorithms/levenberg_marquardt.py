@@ -245,7 +245,7 @@ class LevenbergMarquardt:
         if model is not None:
             _model_hooks.check_model(self, model)
         validate_lm_arguments(max_attempts, chunk_size)
-        self._init_base(name or "levenberg_marquardt")
+        self._init_base(name)
         self.controller = with_initial_damping(parts_lib.resolve_part(
             controller, damping_lib.CONTROLLERS, "controller"), initial_damping)
         self.scaling = parts_lib.resolve_part(scaling, damping_lib.SCALINGS,

@@ -140,7 +140,7 @@ class MagnitudePruning(MaskedUpdate):
                  block_size=(1, 1), block_pooling="avg", m_by_n=None, name=None,
                  **kwargs):
         validate_arguments(targets, schedule, block_size, block_pooling, m_by_n)
-        self._init_wrapper(optimizer, name or "magnitude_pruning", kwargs)
+        self._init_wrapper(optimizer, name, kwargs)
         if schedule is None:
             schedule = (pruning_schedule.ConstantSparsity(0.0, 1, 1, 1) if m_by_n
                         else pruning_schedule.ConstantSparsity(0.5, 0))

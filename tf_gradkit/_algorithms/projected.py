@@ -147,7 +147,7 @@ class Projected(Wrapper):
             raise ValueError("Projected: `sparse_rows` must be one of "
                              f"{SPARSE_ROWS}. Received: sparse_rows={sparse_rows!r}")
         entries = normalise_constraints(constraints)
-        self._init_wrapper(optimizer, name or "projected", kwargs)
+        self._init_wrapper(optimizer, name, kwargs)
         self._entries = entries
         self.sparse_rows = sparse_rows
         self._by_key = None

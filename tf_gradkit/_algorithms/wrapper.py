@@ -31,8 +31,62 @@ def no_gradients_error(variables):
     return ValueError(f"No gradients provided for any variable: {names}.")
 
 
+def _forwarded(attribute):
+    """A setting of Keras's base optimizer that a wrapper's own step never
+    reads (clipping): read from and written to the inner optimizer, which
+    applies it, so ``wrapper.clipnorm = 1.0`` is not silently ignored."""
+
+    def get(self):
+        inner = vars(self).get("inner_optimizer")
+        return None if inner is None else getattr(inner, attribute)
+
+    def set_(self, value):
+        inner = vars(self).get("inner_optimizer")
+        if inner is not None:
+            setattr(inner, attribute, value)
+        elif value is not None:  # Keras's base __init__ sets None, before the inner exists
+            raise unexpected_arguments(type(self).__name__, {attribute: value},
+                                       self.ACCEPTED)
+
+    return property(get, set_, doc=f"The inner optimizer's ``{attribute}``.")
+
+
 class Wrapper:
     """The flavour-independent half of every wrapper (see the module doc)."""
+
+    clipnorm = _forwarded("clipnorm")
+    clipvalue = _forwarded("clipvalue")
+    global_clipnorm = _forwarded("global_clipnorm")
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """Excludes variables from the inner optimizer's weight decay (the
+        wrapper decays nothing itself); before the first step, as Keras."""
+        self.inner_optimizer.exclude_from_weight_decay(var_list=var_list,
+                                                       var_names=var_names)
+
+    def set_weights(self, weights):
+        """Sets own and inner variables, in ``variables`` order (what HDF5
+        loading calls; Keras's own sets only ``_variables``, which would
+        leave the inner optimizer's state as it was)."""
+        if not self._is_built():
+            raise ValueError(
+                f"You are calling `set_weights()` on {type(self).__name__} before it "
+                "is built. Call `optimizer.build(trainable_variables)` first.")
+        variables, weights = list(self.variables), list(weights)
+        if len(weights) != len(variables) or any(
+                tuple(v.shape) != tuple(w.shape) for v, w in zip(variables, weights)):
+            raise ValueError(
+                f"{type(self).__name__}.set_weights: got values of shapes "
+                f"{[tuple(w.shape) for w in weights]} for optimizer variables of "
+                f"shapes {[tuple(v.shape) for v in variables]}.")
+        for variable, weight in zip(variables, weights):
+            variable.assign(weight)
+
+    def _warn_missing_gradients(self, grads, variables):
+        """Keras's warning for the variables given a None gradient (the
+        flavour's own wording), when some but not all are None."""
+        if any(g is None for g in grads) and not all(g is None for g in grads):
+            self._filter_empty(list(grads), list(variables))
 
     # Abilities, overridden per wrapper class:
     WRAPS_RESIDUAL_OPTIMIZERS = False  # LM: steps from residuals, not gradients

@@ -53,8 +53,14 @@ class OptimizerHost(protocol.OptimizerHost):
     _LOADERS = {"compile_from_config": ("self", None)}
 
     def _init_base(self, name, learning_rate=0.0, **kwargs):
+        # name None: Keras's own unique name from the class name
+        # ("gradient_accumulator", then "gradient_accumulator_1"), as for Adam.
         Optimizer.__init__(self, learning_rate=learning_rate, name=name, **kwargs)
         self._note_loading()
+
+    def _filter_empty(self, grads, variables):
+        """Keras 3's warning (and error) for None gradients."""
+        return self._filter_empty_gradients(grads, variables)
 
     def _new_variable(self, shape, dtype, name, initial=0.0, sync="none",
                       reference=None):
@@ -288,6 +294,29 @@ class WrapperHost(protocol.WrapperHost, OptimizerHost):
 
     def scale_loss(self, loss):
         return self.inner_optimizer.scale_loss(loss)
+
+    def _inner_loss_scale(self):
+        """What the inner optimizer chain multiplies the loss by and divides
+        the gradients by (its static ``loss_scale_factor``s; 1.0 without)."""
+        return self.inner_optimizer.scale_loss(1.0)
+
+    @property
+    def loss_scale_factor(self):
+        """The inner optimizer's: ``scale_loss`` and the unscaling are its."""
+        inner = vars(self).get("inner_optimizer")
+        return None if inner is None else inner.loss_scale_factor
+
+    @loss_scale_factor.setter
+    def loss_scale_factor(self, value):
+        inner = vars(self).get("inner_optimizer")
+        if inner is not None:
+            inner.loss_scale_factor = value
+        elif value is not None:  # Keras's base __init__ sets None first
+            raise TypeError(f"{type(self).__name__}: set loss_scale_factor on the "
+                            f"inner optimizer. Received: loss_scale_factor={value!r}")
+
+    def _is_built(self):
+        return self.built
 
 
 class StateHost(OptimizerHost):

@@ -14,7 +14,9 @@ import contextlib
 
 import tensorflow as tf
 import tf_keras
+from tf_keras.src.optimizers import utils as optimizer_utils
 from tf_keras.src.optimizers.optimizer import CallableList
+from tf_keras.src.utils import generic_utils
 
 from tf_gradkit._hosts import protocol
 
@@ -46,10 +48,17 @@ class OptimizerHost(protocol.OptimizerHost):
                 "load_model_from_hdf5": ("model", None)}
 
     def _init_base(self, name, learning_rate=None, **kwargs):
+        if name is None:  # tf_keras names its own by class, never uniquified
+            name = generic_utils.to_snake_case(type(self).__name__)
         Optimizer.__init__(self, name=name, **kwargs)
         if learning_rate is not None:
             self._learning_rate = self._build_learning_rate(learning_rate)
         self._note_loading()
+
+    @staticmethod
+    def _filter_empty(grads, variables):
+        """tf_keras's warning (and error) for None gradients."""
+        return optimizer_utils.filter_empty_gradients(list(zip(grads, variables)))
 
     def _create_iteration_variable(self):
         # tf_keras's base makes an "iteration" variable: named after the
@@ -171,18 +180,14 @@ class WrapperHost(protocol.WrapperHost, OptimizerHost):
     def variables(self):
         return CallableList(list(self._variables) + list(self.inner_optimizer.variables))
 
-    def set_weights(self, weights):
-        """Sets own and inner variables, in ``variables`` order (what HDF5
-        loading calls; tf_keras's own sets ``_variables`` only)."""
-        variables, weights = list(self.variables), list(weights)
-        if len(weights) != len(variables) or any(
-                tuple(v.shape) != tuple(w.shape) for v, w in zip(variables, weights)):
-            raise ValueError(
-                f"{type(self).__name__}.set_weights: got values of shapes "
-                f"{[tuple(w.shape) for w in weights]} for optimizer variables of "
-                f"shapes {[tuple(v.shape) for v in variables]}.")
-        for variable, weight in zip(variables, weights):
-            variable.assign(weight)
+    def _is_built(self):
+        return getattr(self, "_built", False)
+
+    @staticmethod
+    def _inner_loss_scale():
+        """1.0: tf_keras optimizers have no ``loss_scale_factor``, and a
+        LossScaleOptimizer inside unscales in ``compute_gradients``."""
+        return 1.0
 
     def compute_gradients(self, loss, var_list, tape=None):
         return self.inner_optimizer.compute_gradients(loss, var_list, tape=tape)

@@ -108,7 +108,7 @@ class MaskAware(MaskedUpdate):
         self._from_model = bool(wrappers)
 
     def _init_mask_aware(self, optimizer, name):
-        self._init_wrapper(optimizer, name or "mask_aware", {})
+        self._init_wrapper(optimizer, name, {})
         self._variables = []  # no state of its own: `variables` is the inner's
         self.masks = Masks(self._var_key)
         self._targets = self._no_dependency([])
