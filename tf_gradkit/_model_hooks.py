@@ -256,15 +256,34 @@ class ModelBinding:
                     loss = wrap(loss, arguments)
             return loss
 
+        def end_epoch():
+            for optimizer in binding.active():
+                hook = getattr(optimizer, "_on_epoch_end", None)
+                if hook is not None:
+                    hook()
+
         class _EpochEnd(self._callback_base):
-            """Tells the bound optimizers that an epoch's data has ended."""
+            """Tells the bound optimizers that an epoch's data has ended.
+            Put first in ``fit``'s callbacks, so that every other callback's
+            ``on_epoch_end`` (checkpoints, backups) sees the epoch's last
+            update; its hooks run again harmlessly after validation did."""
 
             def on_epoch_end(self, epoch, logs=None):
                 del epoch, logs
-                for optimizer in binding.active():
-                    hook = getattr(optimizer, "_on_epoch_end", None)
-                    if hook is not None:
-                        hook()
+                end_epoch()
+
+        def evaluate_in_fit(evaluate):
+            """``fit`` validates after an epoch's data and before the
+            callbacks' ``on_epoch_end``: the epoch ends first, so that the
+            validation logs describe the weights the epoch ends with."""
+
+            @functools.wraps(evaluate)
+            def hooked_evaluate(*args, **kwargs):
+                if kwargs.get("_use_cached_eval_dataset"):  # fit's own validation
+                    end_epoch()
+                return evaluate(*args, **kwargs)
+
+            return hooked_evaluate
 
         @functools.wraps(fit)
         def hooked_fit(*args, **kwargs):
@@ -275,10 +294,18 @@ class ModelBinding:
                     start(model)
             args = list(args)
             if len(args) > 5:  # fit(x, y, batch_size, epochs, verbose, callbacks)
-                args[5] = list(args[5] or []) + [_EpochEnd()]
+                args[5] = [_EpochEnd()] + list(args[5] or [])
             else:
-                kwargs["callbacks"] = list(kwargs.get("callbacks") or []) + [_EpochEnd()]
-            return fit(*args, **kwargs)
+                kwargs["callbacks"] = [_EpochEnd()] + list(kwargs.get("callbacks") or [])
+            own_evaluate = model.__dict__.get("evaluate")
+            object.__setattr__(model, "evaluate", evaluate_in_fit(model.evaluate))
+            try:
+                return fit(*args, **kwargs)
+            finally:
+                if own_evaluate is None:
+                    model.__dict__.pop("evaluate", None)
+                else:
+                    object.__setattr__(model, "evaluate", own_evaluate)
 
         hooked_train_step._tf_gradkit = True  # ours, not a user's override
         object.__setattr__(model, "train_step", hooked_train_step)
