@@ -74,3 +74,77 @@ def test_backup_and_restore_resumes_to_the_uninterrupted_run(K, gk, tmp_path):
     assert int(full_opt.iterations.numpy()) == 6
     assert int(resumed_opt.iterations.numpy()) == 6
     assert max_abs_diff(weights_of(full), weights_of(resumed)) < ROUNDOFF
+
+
+# ----------------------------------------------------------- non-finite policies
+def _bad(y):
+    bad = y.copy()
+    bad[0] = np.nan
+    return bad
+
+
+def _state(model, opt):
+    """Weights and every optimizer variable but the dropped-gradient count."""
+    keep = [v for v in opt.variables if "dropped_gradients" not in v.name]
+    return weights_of(model) + [np.array(v.numpy()) for v in keep]
+
+
+def test_nonfinite_raise_leaves_no_trace(K, gk, mode):
+    from helpers import make_train_step
+
+    x, y = regression_data()
+    model = mlp(K)
+    opt = gk.GradientAccumulator(K.optimizers.Adam(0.05), steps=4, nonfinite="raise")
+    step = make_train_step(model, opt, mode)
+    for i in range(5):  # one update, one micro-batch in the open window
+        step(x[i * 4:i * 4 + 4], y[i * 4:i * 4 + 4], sample_count=4)
+    before = _state(model, opt)
+    if mode == "jit":  # XLA cannot raise: the micro-batch is left out, and counted
+        step(x[20:24], _bad(y[20:24]), sample_count=4)
+        assert int(opt.dropped_gradients.numpy()) == 1
+    else:
+        with pytest.raises(tf.errors.InvalidArgumentError, match="non-finite"):
+            step(x[20:24], _bad(y[20:24]), sample_count=4)
+    assert max_abs_diff(before, _state(model, opt)) == 0
+    assert int(opt.micro_steps.numpy()) == 5
+    assert int(opt.window_micro_step.numpy()) == 1
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_nonfinite_raise_under_fit_leaves_no_trace(K, gk, jit):
+    x, y = regression_data(n=24)
+    y_bad = y.copy()
+    y_bad[16] = np.nan  # the third batch of 8
+    model = mlp(K)
+    opt = gk.GradientAccumulator(K.optimizers.Adam(0.05), steps=4, model=model,
+                                 nonfinite="raise", epoch_end="carry")
+    model.compile(optimizer=opt, loss="mse", jit_compile=jit)
+    ref = mlp(K)
+    ref_opt = gk.GradientAccumulator(K.optimizers.Adam(0.05), steps=4, model=ref,
+                                     epoch_end="carry")
+    ref.compile(optimizer=ref_opt, loss="mse", jit_compile=jit)
+    ref.fit(x[:16], y[:16], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    if jit:
+        with pytest.warns(UserWarning, match="NaN or Inf gradient without raising"):
+            model.fit(x, y_bad, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    else:
+        with pytest.raises(tf.errors.InvalidArgumentError, match="non-finite"):
+            model.fit(x, y_bad, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert int(opt.micro_steps.numpy()) == 2
+    assert int(opt.window_micro_step.numpy()) == 2
+    assert max_abs_diff(_state(ref, ref_opt), _state(model, opt)) == 0
+
+
+def test_skipped_windows_are_reported_under_fit(K, gk):
+    x, y = regression_data(n=24)
+    y_bad = y.copy()
+    y_bad[0] = np.nan
+    model = mlp(K)
+    opt = gk.GradientAccumulator(K.optimizers.Adam(0.05), steps=3, model=model)
+    model.compile(optimizer=opt, loss="mse")
+    with pytest.warns(UserWarning, match=r"skipped 1 window.*skipped_windows"):
+        model.fit(x, y_bad, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert int(opt.skipped_windows.numpy()) == 1
+    with warnings.catch_warnings():  # nothing new skipped: nothing said
+        warnings.simplefilter("error")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
