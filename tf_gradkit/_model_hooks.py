@@ -50,6 +50,47 @@ def sub_optimizers(optimizer):
     return list(group) if isinstance(group, (list, tuple)) else []
 
 
+def declared_groups(optimizer):
+    """``[(key, optimizer)]``: the optimizers a dispatcher's map names
+    (Keras 3.15's ``MultiOptimizer(OptimizerMap)``: one per key, then the
+    default under ``None``; a mapping with ``values()``: its values), whether
+    or not a variable was given to them. Empty for a function or a
+    non-dispatcher."""
+    mapping = getattr(optimizer, "_optimizer_map", None)
+    if mapping is None or not isinstance(getattr(optimizer, "optimizers", None),
+                                         (list, tuple)):
+        return []
+    if hasattr(mapping, "default_optimizer"):  # OptimizerMap: keys, then the default
+        return [(key, mapping[key]) for key in mapping] + [
+            (None, mapping.default_optimizer)]
+    if hasattr(mapping, "values") and hasattr(mapping, "keys"):
+        return [(key, mapping[key]) for key in mapping.keys()]
+    return []
+
+
+def check_groups(root):
+    """Refuses, once every dispatcher below ``root`` (included) is built, an
+    optimizer a map names that was given no variable: Keras's
+    ``OptimizerMap`` matches a key against the whole variable path
+    (``re.fullmatch``), so ``"encoder/"`` matches nothing and that group's
+    variables go to the default optimizer, every micro-batch, in silence."""
+    for dispatcher in optimizer_chain(root):
+        if not getattr(dispatcher, "built", False):
+            continue
+        given = [o for o in sub_optimizers(dispatcher) if getattr(o, "built", False)]
+        for key, sub in declared_groups(dispatcher):
+            if key is None or any(sub is o for o in given):
+                continue  # a default without variables is not a mistake
+            raise ValueError(
+                f"{type(dispatcher).__name__}: the key {key!r} of its OptimizerMap "
+                f"matched no variable, so its {type(sub).__name__} would never run "
+                "and those variables would go to the default optimizer. Keys are "
+                "matched against each variable's whole path (re.fullmatch): write "
+                f"{str(key).rstrip('/') + '/.*'!r} for every variable under "
+                f"{str(key).rstrip('/')!r}; the paths are "
+                f"{[getattr(v, 'path', v.name) for v in dispatcher._trainable_variables]}.")
+
+
 def _groups_unknown(optimizer):
     """A dispatcher (``optimizers``) not built yet: its list may grow."""
     return isinstance(getattr(optimizer, "optimizers", None), (list, tuple)) and not \
@@ -326,6 +367,7 @@ def _build_dispatchers(model):
 
         with tf.init_scope():
             root.build(model.trainable_variables)
+    check_groups(root)
 
 
 def _forget_train_function(model):
