@@ -540,7 +540,8 @@ def test_loss_scale_optimizer_composes_and_lowers_scale_on_overflow(K, gk):
 
 def test_keras3_refuses_a_loss_scale_optimizer_inside(K, gk):
     if FLAVOUR != "keras3":
-        pytest.skip("tf_keras unscales in compute_gradients: both orders are exact")
+        pytest.skip("tf_keras unscales in compute_gradients: exact unless wrapped again "
+                    "(test_loss_scale_wrappers.py)")
     with pytest.raises(TypeError, match=r"GradientAccumulator cannot wrap "
                        r"LossScaleOptimizer.*unscaled twice.*Put the "
                        r"LossScaleOptimizer outside"):

@@ -76,7 +76,8 @@ class GradientAccumulator(Wrapper):
       optimizer: the optimizer to wrap (Adam, SGD, a tf_gradkit optimizer,
         ...), of the same Keras flavour. Mixed precision: put the
         LossScaleOptimizer outside (compile does that under a
-        ``mixed_float16`` policy); Keras 3 refuses one inside.
+        ``mixed_float16`` policy); Keras 3 refuses one inside, tf_keras
+        when another is put outside (compile under that policy).
       steps: micro-batches per update, an integer >= 1.
       reduction: how micro-batches combine. ``"example"`` (default): each
         counts for what its loss divides by, so the window's gradient is the
