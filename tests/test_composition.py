@@ -8,11 +8,14 @@ Wrappers: GradientAccumulator ("acc"), Projected ("proj"),
 AugmentedLagrangian ("lagr"), MagnitudePruning ("prune"), pruning.MaskAware
 ("mask", tf_keras only),
 Keras's LossScaleOptimizer ("lso") and Keras 3.15's MultiOptimizer ("multi",
-Keras 3 only: the inner optimizer takes the first layer, SGD the rest).
+Keras 3 only: the inner optimizer takes the first layer, SGD the rest; given
+a function) and the same MultiOptimizer given an ``OptimizerMap`` ("mmap": the
+first layer's path pattern mapped to the inner optimizer, SGD the default).
 Inner optimizers: SGD, Adam, Adam with ``use_ema``, LevenbergMarquardt,
 ConditionalGradient (Frank-Wolfe), Keras 3's ``gradient_accumulation_steps``,
 Keras's LossScaleOptimizer, a MultiOptimizer (SGD for the first layer, Adam
-for the rest), and each of our wrappers around SGD or Adam.
+for the rest; "multi" given a function, "mmap" an OptimizerMap with Adam the
+default), and each of our wrappers around SGD or Adam.
 
 By hand, with the same data (4 batches of 8) and initial weights:
   acc(I, 2)   the inner step on the mean gradient of each 2 batches;
@@ -37,9 +40,10 @@ from helpers import ROUNDOFF, max_abs_diff, mlp, regression_data, weights_of
 from tf_gradkit import constraints as C
 
 K3 = FLAVOUR == "keras3"
-WRAPPERS = ["acc", "proj", "lagr", "lso", "prune"] + (["multi"] if K3 else ["mask"])
+WRAPPERS = ["acc", "proj", "lagr", "lso", "prune"] + (["multi", "mmap"] if K3 else ["mask"])
 INNERS = ["sgd", "adam", "ema", "lm", "fw", "lso(adam)", "acc(sgd)", "proj(adam)",
-          "lagr(adam)", "prune(sgd)"] + (["kacc(sgd)", "multi"] if K3 else ["mask(sgd)"])
+          "lagr(adam)", "prune(sgd)"] + (["kacc(sgd)", "multi", "mmap"] if K3
+                                         else ["mask(sgd)"])
 
 # The refused cells, each with what its message must say (both class names
 # and the advice). Everything else must equal the by-hand loop.
@@ -75,6 +79,14 @@ REFUSED_AT_FIT = {
     ("multi", "lm"): r"LevenbergMarquardt needs residuals",
     ("multi", "lso(adam)"): r"LossScaleOptimizer cannot be used inside an MultiOptimizer",
     ("multi", "multi"): r"MultiOptimizer cannot be used inside an MultiOptimizer",
+    ("multi", "mmap"): r"MultiOptimizer cannot be used inside an MultiOptimizer",
+    ("mmap", "lm"): r"LevenbergMarquardt needs residuals",
+}
+# Cells Keras's OptimizerMap refuses as the map is made (ValueError).
+REFUSED_BY_KERAS = {
+    ("mmap", "lso(adam)"): r"optimizer cannot be LossScaleOptimizer",
+    ("mmap", "multi"): r"optimizer cannot be MultiOptimizer",
+    ("mmap", "mmap"): r"optimizer cannot be MultiOptimizer",
 }
 # Cells whose by-hand equivalence has its own test elsewhere.
 ELSEWHERE = {
@@ -106,11 +118,22 @@ def _first_layer(model):
     return lambda v: id(v) in keys
 
 
+def _first_layer_map(K, model, first, default):
+    """An OptimizerMap giving ``first`` the first layer's variables (by a path
+    pattern, matched whole), ``default`` the others."""
+    mapping = K.optimizers.OptimizerMap(default)
+    mapping[model.trainable_variables[0].path.rsplit("/", 1)[0] + "/.*"] = first
+    return mapping
+
+
 def _leaf(K, gk, name, model=None):
     if name == "multi":
         first = _first_layer(model)
         sgd, adam = K.optimizers.SGD(0.1), K.optimizers.Adam(0.05)
         return K.optimizers.MultiOptimizer(lambda v: sgd if first(v) else adam)
+    if name == "mmap":
+        return K.optimizers.MultiOptimizer(_first_layer_map(
+            K, model, K.optimizers.SGD(0.1), K.optimizers.Adam(0.05)))
     if name == "sgd":
         return K.optimizers.SGD(0.1)
     if name == "adam":
@@ -146,6 +169,9 @@ def build(K, gk, name, model):
     if outer == "multi":
         first, rest = _first_layer(model), K.optimizers.SGD(0.1)
         return K.optimizers.MultiOptimizer(lambda v: inner if first(v) else rest)
+    if outer == "mmap":
+        return K.optimizers.MultiOptimizer(_first_layer_map(K, model, inner,
+                                                            K.optimizers.SGD(0.1)))
     if outer == "mask":
         from tf_gradkit import pruning  # noqa: PLC0415
         return pruning.MaskAware(inner, masks={model.trainable_variables[0].ref(): MASK})
@@ -167,7 +193,7 @@ def by_hand(K, gk, name, variables, leaves):
     """``step(grads)`` doing what composition ``name`` promises, from plain
     optimizers, on ``variables``; what ends a fit goes into ``leaves``."""
     outer, inner_name = _parse(name)
-    if name == "multi":
+    if name in ("multi", "mmap"):
         sgd, adam = K.optimizers.SGD(0.1), K.optimizers.Adam(0.05)
 
         def step(grads):
@@ -178,7 +204,7 @@ def by_hand(K, gk, name, variables, leaves):
         opt = _leaf(K, gk, name)
         leaves.append(lambda: opt.finalize_variable_values(variables))
         return lambda grads: opt.apply_gradients(zip(grads, variables))
-    if outer == "multi":
+    if outer in ("multi", "mmap"):
         first = by_hand(K, gk, inner_name, variables[:2], leaves)
         rest = K.optimizers.SGD(0.1)
 
@@ -254,6 +280,10 @@ def test_composition_is_exact_or_refused(K, gk, cell):
         with pytest.raises(TypeError, match=REFUSED[(wrapper, inner)]):
             build(K, gk, cell, model)
         return
+    if (wrapper, inner) in REFUSED_BY_KERAS:
+        with pytest.raises(ValueError, match=REFUSED_BY_KERAS[(wrapper, inner)]):
+            build(K, gk, cell, model)
+        return
     opt = build(K, gk, cell, model)
     model.compile(optimizer=opt, loss="mse")
     if (wrapper, inner) in REFUSED_AT_FIT:
@@ -283,6 +313,7 @@ def test_every_refusal_is_a_real_cell():
     cells = {_parse(c) for c in _cells()}
     assert {c for c in REFUSED if c[0] in WRAPPERS and c[1] in INNERS} <= cells
     assert {c for c in REFUSED_AT_FIT if c[0] in WRAPPERS and c[1] in INNERS} <= cells
+    assert {c for c in REFUSED_BY_KERAS if c[0] in WRAPPERS and c[1] in INNERS} <= cells
     assert {c for c in ELSEWHERE if c[0] in WRAPPERS and c[1] in INNERS} <= cells
 
 
@@ -378,4 +409,45 @@ def test_an_accumulator_in_a_multioptimizer_counts_and_flushes_its_windows(K, gk
                   loss="mse")
     model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     # 5 micro-batches an epoch: one full window and a flushed one of 1.
+    assert int(acc.iterations.numpy()) == 4 and int(acc.micro_steps.numpy()) == 10
+
+
+@pytest.mark.parametrize("where", ["inside", "outside"])
+def test_an_optimizer_map_key_that_matches_nothing_is_refused(K, gk, where):
+    # OptimizerMap matches keys against the whole path (re.fullmatch), so a
+    # prefix like "dense/" matches no variable: the accumulator (inside) or
+    # the mapped Adam (outside, under the accumulator) would never run and
+    # the default optimizer would take its variables every micro-batch.
+    if not K3:
+        pytest.skip("MultiOptimizer is Keras 3's")
+    x, y = regression_data(n=16)
+    model = mlp(K)
+    mapping = K.optimizers.OptimizerMap(K.optimizers.SGD(0.1))
+    if where == "inside":
+        acc = gk.GradientAccumulator(K.optimizers.SGD(0.1), steps=2, model=model)
+        mapping["dense/"] = acc
+        opt = K.optimizers.MultiOptimizer(mapping)
+    else:
+        mapping["dense/"] = K.optimizers.Adam(0.05)
+        opt = gk.GradientAccumulator(K.optimizers.MultiOptimizer(mapping), 2, model=model)
+    model.compile(optimizer=opt, loss="mse")
+    before = weights_of(model)
+    for _ in range(2):  # and again: a refusal is not a one-off
+        with pytest.raises(ValueError, match=r"key 'dense/' of its OptimizerMap matched "
+                           r"no variable.*re.fullmatch.*'dense/\.\*'"):
+            model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert max_abs_diff(before, weights_of(model)) == 0
+
+
+def test_an_accumulator_as_the_optimizer_maps_default_counts_its_windows(K, gk):
+    if not K3:
+        pytest.skip("MultiOptimizer is Keras 3's")
+    x, y = regression_data(n=40)
+    model = mlp(K)
+    acc = gk.GradientAccumulator(K.optimizers.SGD(0.1), steps=4, model=model)
+    mapping = K.optimizers.OptimizerMap(acc)  # the accumulator takes the first layer
+    mapping[model.trainable_variables[2].path.rsplit("/", 1)[0] + "/.*"] = \
+        K.optimizers.SGD(0.1)
+    model.compile(optimizer=K.optimizers.MultiOptimizer(mapping), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     assert int(acc.iterations.numpy()) == 4 and int(acc.micro_steps.numpy()) == 10

@@ -50,6 +50,47 @@ def sub_optimizers(optimizer):
     return list(group) if isinstance(group, (list, tuple)) else []
 
 
+def declared_groups(optimizer):
+    """``[(key, optimizer)]``: the optimizers a dispatcher's map names
+    (Keras 3.15's ``MultiOptimizer(OptimizerMap)``: one per key, then the
+    default under ``None``; a mapping with ``values()``: its values), whether
+    or not a variable was given to them. Empty for a function or a
+    non-dispatcher."""
+    mapping = getattr(optimizer, "_optimizer_map", None)
+    if mapping is None or not isinstance(getattr(optimizer, "optimizers", None),
+                                         (list, tuple)):
+        return []
+    if hasattr(mapping, "default_optimizer"):  # OptimizerMap: keys, then the default
+        return [(key, mapping[key]) for key in mapping] + [
+            (None, mapping.default_optimizer)]
+    if hasattr(mapping, "values") and hasattr(mapping, "keys"):
+        return [(key, mapping[key]) for key in mapping.keys()]
+    return []
+
+
+def check_groups(root):
+    """Refuses, once every dispatcher below ``root`` (included) is built, an
+    optimizer a map names that was given no variable: Keras's
+    ``OptimizerMap`` matches a key against the whole variable path
+    (``re.fullmatch``), so ``"encoder/"`` matches nothing and that group's
+    variables go to the default optimizer, every micro-batch, in silence."""
+    for dispatcher in optimizer_chain(root):
+        if not getattr(dispatcher, "built", False):
+            continue
+        given = [o for o in sub_optimizers(dispatcher) if getattr(o, "built", False)]
+        for key, sub in declared_groups(dispatcher):
+            if key is None or any(sub is o for o in given):
+                continue  # a default without variables is not a mistake
+            raise ValueError(
+                f"{type(dispatcher).__name__}: the key {key!r} of its OptimizerMap "
+                f"matched no variable, so its {type(sub).__name__} would never run "
+                "and those variables would go to the default optimizer. Keys are "
+                "matched against each variable's whole path (re.fullmatch): write "
+                f"{str(key).rstrip('/') + '/.*'!r} for every variable under "
+                f"{str(key).rstrip('/')!r}; the paths are "
+                f"{[getattr(v, 'path', v.name) for v in dispatcher._trainable_variables]}.")
+
+
 def _groups_unknown(optimizer):
     """A dispatcher (``optimizers``) not built yet: its list may grow."""
     return isinstance(getattr(optimizer, "optimizers", None), (list, tuple)) and not \
@@ -256,15 +297,34 @@ class ModelBinding:
                     loss = wrap(loss, arguments)
             return loss
 
+        def end_epoch():
+            for optimizer in binding.active():
+                hook = getattr(optimizer, "_on_epoch_end", None)
+                if hook is not None:
+                    hook()
+
         class _EpochEnd(self._callback_base):
-            """Tells the bound optimizers that an epoch's data has ended."""
+            """Tells the bound optimizers that an epoch's data has ended.
+            Put first in ``fit``'s callbacks, so that every other callback's
+            ``on_epoch_end`` (checkpoints, backups) sees the epoch's last
+            update; its hooks run again harmlessly after validation did."""
 
             def on_epoch_end(self, epoch, logs=None):
                 del epoch, logs
-                for optimizer in binding.active():
-                    hook = getattr(optimizer, "_on_epoch_end", None)
-                    if hook is not None:
-                        hook()
+                end_epoch()
+
+        def evaluate_in_fit(evaluate):
+            """``fit`` validates after an epoch's data and before the
+            callbacks' ``on_epoch_end``: the epoch ends first, so that the
+            validation logs describe the weights the epoch ends with."""
+
+            @functools.wraps(evaluate)
+            def hooked_evaluate(*args, **kwargs):
+                if kwargs.get("_use_cached_eval_dataset"):  # fit's own validation
+                    end_epoch()
+                return evaluate(*args, **kwargs)
+
+            return hooked_evaluate
 
         @functools.wraps(fit)
         def hooked_fit(*args, **kwargs):
@@ -275,10 +335,18 @@ class ModelBinding:
                     start(model)
             args = list(args)
             if len(args) > 5:  # fit(x, y, batch_size, epochs, verbose, callbacks)
-                args[5] = list(args[5] or []) + [_EpochEnd()]
+                args[5] = [_EpochEnd()] + list(args[5] or [])
             else:
-                kwargs["callbacks"] = list(kwargs.get("callbacks") or []) + [_EpochEnd()]
-            return fit(*args, **kwargs)
+                kwargs["callbacks"] = [_EpochEnd()] + list(kwargs.get("callbacks") or [])
+            own_evaluate = model.__dict__.get("evaluate")
+            object.__setattr__(model, "evaluate", evaluate_in_fit(model.evaluate))
+            try:
+                return fit(*args, **kwargs)
+            finally:
+                if own_evaluate is None:
+                    model.__dict__.pop("evaluate", None)
+                else:
+                    object.__setattr__(model, "evaluate", own_evaluate)
 
         hooked_train_step._tf_gradkit = True  # ours, not a user's override
         object.__setattr__(model, "train_step", hooked_train_step)
@@ -299,6 +367,7 @@ def _build_dispatchers(model):
 
         with tf.init_scope():
             root.build(model.trainable_variables)
+    check_groups(root)
 
 
 def _forget_train_function(model):

@@ -76,7 +76,8 @@ class GradientAccumulator(Wrapper):
       optimizer: the optimizer to wrap (Adam, SGD, a tf_gradkit optimizer,
         ...), of the same Keras flavour. Mixed precision: put the
         LossScaleOptimizer outside (compile does that under a
-        ``mixed_float16`` policy); Keras 3 refuses one inside.
+        ``mixed_float16`` policy); Keras 3 refuses one inside, tf_keras
+        when another is put outside (compile under that policy).
       steps: micro-batches per update, an integer >= 1.
       reduction: how micro-batches combine. ``"example"`` (default): each
         counts for what its loss divides by, so the window's gradient is the
@@ -109,10 +110,13 @@ class GradientAccumulator(Wrapper):
         module's top level).
       nonfinite: ``"skip"`` (default): a window with a NaN/Inf micro-batch
         gradient is discarded whole, weights and optimizer state untouched,
-        and ``skipped_windows`` increments. ``"raise"``: raise
+        and ``skipped_windows`` increments (under ``fit`` with ``model=`` a
+        warning after the epoch says how many). ``"raise"``: raise
         ``InvalidArgumentError`` at the offending micro-batch, eagerly and in
-        ``tf.function``; XLA cannot raise from a compiled step, so under
-        ``jit_compile=True`` it skips instead.
+        ``tf.function``, before anything changes; XLA cannot raise from a
+        compiled step, so under ``jit_compile=True`` that micro-batch is left
+        out (nothing changes but ``dropped_gradients``; under ``fit`` a
+        warning after the epoch says so).
       name: optional name.
 
     ``apply_gradients(grads_and_vars, sample_count=None, local_step=None)``:
@@ -185,6 +189,35 @@ class GradientAccumulator(Wrapper):
 
     def _on_epoch_end(self):
         self.end_epoch()
+        self._report_nonfinite()
+
+    def _report_nonfinite(self):
+        """Under ``fit``, after each epoch: says how many windows
+        ``nonfinite="skip"`` discarded, and how many micro-batches
+        ``nonfinite="raise"`` left out under XLA (which cannot raise), since
+        the last time it said so."""
+        if self._state is None:
+            return
+        said = self._nonfinite_said
+        skipped, dropped = int(self._skipped.numpy()), int(self._dropped.numpy())
+        self._nonfinite_said = (skipped, dropped)
+        if skipped > said[0]:
+            warnings.warn(
+                f"{type(self).__name__} skipped {skipped - said[0]} window(s) holding a "
+                "NaN or Inf gradient (nonfinite='skip'): the weights and the optimizer "
+                f"were left as they were; `skipped_windows` counts them ({skipped} in "
+                "all). Pass nonfinite='raise' to stop at the first one.",
+                UserWarning, stacklevel=2)
+        if self.nonfinite == "raise" and dropped > said[1] and self._version is None:
+            warnings.warn(
+                f"{type(self).__name__}(nonfinite='raise') left out {dropped - said[1]} "
+                "micro-batch(es) with a NaN or Inf gradient without raising: XLA "
+                "(jit_compile=True) cannot raise from a compiled step. Nothing else "
+                f"changed; `dropped_gradients` counts them ({dropped} in all). Compile "
+                "without jit_compile to stop at the first one.",
+                UserWarning, stacklevel=2)
+
+    _nonfinite_said = (0, 0)
 
     def _wrap_loss(self, loss, arguments):
         """Refuses, as ``fit`` computes the loss and before this optimizer
@@ -268,8 +301,10 @@ class GradientAccumulator(Wrapper):
         self._input_aggregated = bool(aggregated)
         grads = self._align(grads, variables)
         self._check_same_variables(grads)
+        finite, checked = True, []
         if self.nonfinite == "raise":
-            grads = _check_numerics(grads)
+            grads, checked = _check_numerics(grads)
+            finite = accumulation.all_finite(grads)  # XLA drops the checks: leave it out
         if local_step is None and self._mutex is not None and self._binding is not None:
             local_step = self._binding.step_value(self._VERSION_KEY)
         has_grad = [g is not None for g in grads]
@@ -279,6 +314,8 @@ class GradientAccumulator(Wrapper):
             accept = True
             if local_step is not None:
                 accept = tf.cast(local_step, tf.int64) >= tf.cast(self.version, tf.int64)
+            if finite is not True:
+                accept = tf.logical_and(accept, finite)
             distributed_window.micro_step(
                 self._state, grads, weight=weight, count=count, accept=accept,
                 steps=self.steps,
@@ -288,8 +325,10 @@ class GradientAccumulator(Wrapper):
             self._micro_steps.assign_add(tf.cast(accept, tf.int64))
 
         # Under a parameter-server strategy the whole micro-step holds the
-        # window's mutex; elsewhere it runs as is.
-        exclusive.run_exclusive(self._mutex, micro, after=grads)
+        # window's mutex; elsewhere it runs as is. Under nonfinite="raise"
+        # nothing is written before every check passed.
+        with tf.control_dependencies(checked):
+            exclusive.run_exclusive(self._mutex, micro, after=grads)
 
     def _micro_batch_weight(self, sample_count):
         """``(weight, count)``: what this micro-batch's gradient is multiplied
@@ -485,7 +524,8 @@ class GradientAccumulator(Wrapper):
     window_micro_step = property(lambda self: self._counter("_window_micro_step"), doc=(
         "Micro-batches in the open window (0 before the first)."))
     dropped_gradients = property(lambda self: self._counter("_dropped"), doc=(
-        "Gradients dropped as stale (``local_step`` < ``version``)."))
+        "Gradients dropped as stale (``local_step`` < ``version``), and under "
+        "XLA with ``nonfinite='raise'`` those holding a NaN or Inf."))
 
     @property
     def version(self):
@@ -572,13 +612,18 @@ def _refuse_overwrite_with_gradient(var_list, steps):
 
 
 def _check_numerics(grads):
+    """``(grads, checks)``: the gradients through ``check_numerics`` and the
+    checked tensors, for the micro-step's writes to wait on (in a graph,
+    writes that do not read a checked gradient would otherwise run first)."""
     message = "GradientAccumulator(nonfinite='raise'): non-finite gradient"
-    out = []
+    out, checks = [], []
     for g in grads:
         if isinstance(g, tf.IndexedSlices):
             g = tf.IndexedSlices(tf.debugging.check_numerics(g.values, message),
                                  g.indices, g.dense_shape)
+            checks.append(g.values)
         elif g is not None:
             g = tf.debugging.check_numerics(g, message)
+            checks.append(g)
         out.append(g)
-    return out
+    return out, checks

@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_gradkit import _model_hooks
 from tf_gradkit._hosts import protocol
 
 FLAVOUR = "keras3"
@@ -261,6 +262,7 @@ class WrapperHost(protocol.WrapperHost, OptimizerHost):
             self.inner_optimizer.build(var_list)
         # A MultiOptimizer given a function knows its optimizers only now.
         self.check_inner(self.inner_optimizer)
+        _model_hooks.check_groups(self.inner_optimizer)
         self._build_own(var_list)
         Optimizer.build(self, var_list)
 

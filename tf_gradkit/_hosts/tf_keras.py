@@ -19,6 +19,7 @@ from tf_keras.src.optimizers.optimizer import CallableList
 from tf_keras.src.utils import generic_utils
 
 from tf_gradkit._hosts import protocol
+from tf_gradkit._model_hooks import optimizer_chain
 
 FLAVOUR = "tf_keras"
 Optimizer = tf_keras.optimizers.Optimizer
@@ -64,8 +65,9 @@ class OptimizerHost(protocol.OptimizerHost):
         # tf_keras's base makes an "iteration" variable: named after the
         # optimizer, as HDF5 files key optimizer weights by name.
         with tf.init_scope():
-            self._iterations = tf.Variable(0, name=f"{self.name}/iteration",
-                                           dtype=tf.int64, trainable=False)
+            self._iterations = tf.Variable(
+                0, name=f"{self.name}/iteration", dtype=tf.int64, trainable=False,
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
         self._variables.append(self._iterations)
 
     def _new_variable(self, shape, dtype, name, initial=0.0, sync="none",
@@ -163,6 +165,60 @@ class OptimizerHost(protocol.OptimizerHost):
 
 class WrapperHost(protocol.WrapperHost, OptimizerHost):
     """tf_keras glue of an optimizer that wraps ``inner_optimizer``."""
+
+    # tf_keras's LossScaleOptimizer sets this on the optimizer it wraps (and
+    # refuses one already wrapped): the one moment a wrapper learns that a
+    # loss-scale optimizer is outside it. Under a mixed_float16 policy
+    # compile wraps whatever it is given in one, without a word.
+    @property
+    def _is_wrapped_by_loss_scale_optimizer(self):
+        return self.__dict__.get("_loss_scale_outside", False)
+
+    @_is_wrapped_by_loss_scale_optimizer.setter
+    def _is_wrapped_by_loss_scale_optimizer(self, value):
+        if value:
+            self._note_loss_scale_outside()
+
+    def _note_loss_scale_outside(self):
+        """Refuses a loss-scale optimizer inside this wrapper when another
+        is put outside (two scales, two overflow tests, the inner one's
+        skips and scale changes out of step with the outer one's: the loss
+        then ends elsewhere), and tells the wrappers below."""
+        me = type(self).__name__
+        for inner in optimizer_chain(self.inner_optimizer):
+            if self._is_loss_scale(inner):
+                raise TypeError(
+                    f"{me}({type(inner).__name__}(...)) is being wrapped in another "
+                    f"{type(inner).__name__} (tf_keras's compile does that under a "
+                    "mixed_float16 policy): the loss would be scaled twice and the two "
+                    "scales' skips would disagree. Give the loss-scale optimizer only "
+                    f"once, outside: compile a plain {me}(optimizer, ...) under the "
+                    f"policy (compile wraps it), or write LossScaleOptimizer({me}"
+                    "(optimizer, ...)).")
+        self.__dict__["_loss_scale_outside"] = True
+        below = getattr(self.inner_optimizer, "_note_loss_scale_outside", None)
+        if below is not None:
+            below()
+
+    @property
+    def iterations(self):
+        """The inner optimizer's updates. Under a tf_keras LossScaleOptimizer
+        an accumulator's are read through a counter of its own: that
+        optimizer counts a step it skips by adding one to its inner
+        optimizer's ``iterations``, which for an accumulator is a
+        micro-batch, not an update; the counter takes the inner count again
+        on every read, so neither it nor the inner optimizer counts the
+        skipped micro-batch (a checkpoint may store the counter one high
+        for each; it is never read back)."""
+        if not (self.__dict__.get("_loss_scale_outside")
+                and getattr(type(self), "accumulates_gradients", False)):
+            return self.inner_optimizer.iterations
+        self._iterations.assign(self.inner_optimizer.iterations)
+        return self._iterations
+
+    @iterations.setter
+    def iterations(self, variable):  # tf_keras assigns it
+        self.inner_optimizer.iterations = variable
 
     def build(self, var_list):
         Optimizer.build(self, var_list)
