@@ -408,6 +408,9 @@ class GradientAccumulator(Wrapper):
             by_key[key] = g
         return [by_key.get(self._var_key(v)) for v in self._trainable_variables]
 
+    # Pure Python over the trace: autograph has nothing to convert here (and
+    # one tf_keras run saw its converted call pass `self` twice).
+    @tf.autograph.experimental.do_not_convert
     def _check_same_variables(self, grads):
         """Refuses a micro-step that gives gradients to other variables than
         the first one did: the window's update covers the variables with a
