@@ -41,7 +41,10 @@ def _fit(K, gk, x, y, mode, epochs, **kwargs):
     return model, opt, history
 
 
-@pytest.mark.parametrize("kind", ["nan_input", "inf_target"])
+@pytest.mark.parametrize("mode,kind", [("eager", "nan_input"), ("function", "nan_input"),
+                                       ("jit", "nan_input"),
+                                       pytest.param("jit", "inf_target",
+                                                    marks=pytest.mark.slow)])
 def test_fit_skips_a_nonfinite_batch_and_ends_where_the_clean_run_does(
         K, gk, mode, kind):
     """Reported: after one NaN batch the damping went to its 1e15 ceiling
@@ -50,7 +53,7 @@ def test_fit_skips_a_nonfinite_batch_and_ends_where_the_clean_run_does(
     bit for bit where the run without it does (batches of 16 of 64: the
     mini-batch guard watches them, so its memory is checked too)."""
     x, y = regression_data(n=64)
-    epochs = 2 if mode == "eager" else 4
+    epochs = 2 if mode == "eager" else 3
     clean_model, clean_opt, _ = _fit(K, gk, x, y, mode, epochs)
     bx, by = _with_bad_batch(x, y, 16, where=2, kind=kind)
     model, opt, history = _fit(K, gk, bx, by, mode, epochs)
@@ -126,7 +129,10 @@ def _lying_residuals(a, b, xb, yb, lie):
     return tf.where(lie, tf.stop_gradient(2.0 * r) - r, r)
 
 
-@pytest.mark.parametrize("controller", ["nielsen", "multiply_divide", "trust_region"])
+@pytest.mark.parametrize("mode,controller", [
+    pytest.param("eager", "nielsen", marks=pytest.mark.slow), ("function", "nielsen"),
+    ("jit", "nielsen"),
+    ("jit", "multiply_divide"), ("jit", "trust_region")])
 def test_a_batch_that_accepts_nothing_does_not_stall_the_next_ones(gk, mode, controller):
     """Reported: a run of rejected attempts left the damping at its ceiling
     (Nielsen: ten rejections raise it 2^55-fold), where no step is
@@ -151,7 +157,9 @@ def test_a_batch_that_accepts_nothing_does_not_stall_the_next_ones(gk, mode, con
         assert nu == pytest.approx(0.5 * damping_before[1])  # the radius halves
     else:
         assert damping == pytest.approx(2.0 * damping_before[0])
-    for _ in range(30):
+    # Before: stuck at the failed batch's cost (4e-3) for good. Now the
+    # clean batches converge as fast as ever (1e-12 after 2 more steps).
+    for _ in range(5):
         cost = step(tf.constant(False))
     assert float(cost) < 1e-8
     assert float(b) == pytest.approx(1.5, rel=1e-3)
@@ -183,20 +191,20 @@ def test_fit_applies_variable_constraints(K, gk, mode):
     Gauss-Newton step gets there slowly (4.45 after 20 epochs)."""
     x, y = _negative_slope_data()
     model = _constrained_model(K)
-    opt = gk.LevenbergMarquardt(model)
-    model.compile(optimizer=opt, loss="mse", run_eagerly=mode == "eager",
-                  jit_compile=mode == "jit")
-    kernels, costs = [], []
-    for _ in range(20):
-        model.fit(x, y, batch_size=64, epochs=1, verbose=0)
-        kernels.append(model.get_weights()[0].ravel())
-        costs.append(float(np.mean((model.predict(x, verbose=0) - y) ** 2)))
+    model.compile(optimizer=gk.LevenbergMarquardt(model), loss="mse",
+                  run_eagerly=mode == "eager", jit_compile=mode == "jit")
+    kernels = []
+    record = K.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: kernels.append(model.get_weights()[0].ravel()))
+    # The logged loss is the batch's cost at the weights before each step.
+    costs = model.fit(x, y, batch_size=64, epochs=6 if mode == "eager" else 20,
+                      verbose=0, callbacks=[record]).history["loss"]
     kernels = np.array(kernels)
     assert np.min(kernels) >= 0.0
     np.testing.assert_array_equal(kernels[:, 0], 0.0)
-    # float32 evaluations of the same cost through predict (1e-6 relative).
+    # Keras's mean and LM's half sum of squares round differently (1e-6).
     assert np.all(np.diff(costs) <= 1e-6 * costs[0]), costs
-    assert costs[-1] < 4.5 and costs[0] > costs[-1], costs
+    assert costs[-1] < (4.5 if mode != "eager" else 4.7) < costs[0], costs
 
 
 @pytest.mark.parametrize("mode_", ["eager", "function", "jit"])
@@ -215,7 +223,7 @@ def test_minimize_applies_variable_constraints(K, gk, mode_):
             model.trainable_variables + [v])
 
     step = compile_fn(step, mode_)
-    for _ in range(5):
+    for _ in range(3):
         step()
     kernel = model.get_weights()[0].ravel()
     assert np.min(kernel) >= 0.0 and kernel[0] == 0.0
