@@ -156,7 +156,11 @@ class LevenbergMarquardt:
     loss="mse")``; the optimizer then takes over that model's train step
     (residuals ``sqrt(w) * (y_pred - y)``, so sample weights count as in the
     loss; ``"huber"`` and ``"mae"`` train as robust residuals, cross-entropies
-    by a generalised Gauss-Newton step) and the progress bar shows ``damping`` and ``attempts``. In custom
+    by a generalised Gauss-Newton step) and the progress bar shows ``damping``, ``attempts``
+    and ``skipped_batches``. A batch that is not finite at the current
+    weights takes no step and changes no state (``skipped_batches`` counts
+    it); variable constraints are applied to each trial point, as Keras's
+    optimizers apply them after an update. In custom
     code, ``loss = optimizer.minimize(residual_fn, var_list)`` runs one
     iteration; for a whole solve see ``tf_gradkit.least_squares``.
 
@@ -177,7 +181,8 @@ class LevenbergMarquardt:
         parameters) or "cg" (matrix-free conjugate gradients: neither J nor
         J^T J is formed, memory O(N + P); needs scaling="levenberg").
       max_attempts: damped solves per iteration before giving up (the weights
-        are then restored exactly).
+        are then restored exactly, and the next batch starts from this one's
+        first damping restrained once: lambda x2, the trust radius /2).
       chunk_size: rows of the Jacobian formed at a time under ``fit`` (memory
         ``chunk_size * P + P^2`` whatever the batch); None forms it whole.
       name: optional name.
