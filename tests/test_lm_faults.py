@@ -230,10 +230,10 @@ def test_minimize_applies_variable_constraints(K, gk, mode_):
     np.testing.assert_array_equal(v.numpy(), [0.0, 1.5, 0.0])
 
 
-def test_constraints_equal_keras_after_one_accepted_step(K, gk):
-    """One accepted step lands where Keras would put the unconstrained
-    step's point: ``variable.constraint`` of it (a step whose projection
-    is the step: NonNeg leaves the positive kernel of y = 2x alone)."""
+def test_a_constraint_that_does_not_act_changes_nothing(K, gk):
+    """A constraint whose projection leaves the steps alone (NonNeg on the
+    positive kernel of y = 2x) gives bit for bit the unconstrained run:
+    applying constraints adds no rounding of its own to the step."""
     rng = np.random.RandomState(1)
     x = rng.randn(32, 1).astype("float32")
     y = 2.0 * x + 0.1
