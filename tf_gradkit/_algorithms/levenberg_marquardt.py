@@ -156,7 +156,11 @@ class LevenbergMarquardt:
     loss="mse")``; the optimizer then takes over that model's train step
     (residuals ``sqrt(w) * (y_pred - y)``, so sample weights count as in the
     loss; ``"huber"`` and ``"mae"`` train as robust residuals, cross-entropies
-    by a generalised Gauss-Newton step) and the progress bar shows ``damping`` and ``attempts``. In custom
+    by a generalised Gauss-Newton step) and the progress bar shows ``damping``, ``attempts``
+    and ``skipped_batches``. A batch that is not finite at the current
+    weights takes no step and changes no state (``skipped_batches`` counts
+    it); variable constraints are applied to each trial point, as Keras's
+    optimizers apply them after an update. In custom
     code, ``loss = optimizer.minimize(residual_fn, var_list)`` runs one
     iteration; for a whole solve see ``tf_gradkit.least_squares``.
 
@@ -177,7 +181,8 @@ class LevenbergMarquardt:
         parameters) or "cg" (matrix-free conjugate gradients: neither J nor
         J^T J is formed, memory O(N + P); needs scaling="levenberg").
       max_attempts: damped solves per iteration before giving up (the weights
-        are then restored exactly).
+        are then restored exactly, and the next batch starts from this one's
+        first damping restrained once: lambda x2, the trust radius /2).
       chunk_size: rows of the Jacobian formed at a time under ``fit`` (memory
         ``chunk_size * P + P^2`` whatever the batch); None forms it whole.
       name: optional name.
@@ -315,6 +320,8 @@ class LevenbergMarquardt:
         # step and that step's decrease per example on its batch (0: none).
         self._previous_x = self._new_variable((num_params,), dtype, "previous_x", 0.0)
         self._previous_gain = self._new_variable((), dtype, "previous_gain", 0.0)
+        # Batches not finite at the current weights (no step taken).
+        self._skipped = self._new_variable((), tf.int64, "skipped_batches", 0)
         self._lm_var_list = var_list
 
     @staticmethod
@@ -336,6 +343,14 @@ class LevenbergMarquardt:
     def damping(self):
         """The current damping ``lambda``."""
         return self._lm_vars.control.damping
+
+    @property
+    def skipped_batches(self):
+        """Batches skipped because their residuals, Jacobian or cost were
+        not finite at the current weights (NaN/Inf inputs, targets or
+        outputs): no step was taken and the LM state was left as it was.
+        Also in ``fit``'s logs as ``skipped_batches`` (the count so far)."""
+        return self._skipped
 
     @property
     def last_attempts(self):
@@ -367,6 +382,7 @@ class LevenbergMarquardt:
         dtype = self._lm_vars.control.damping.dtype
         # Plain attribute (no Keras tracking): trace-time Python state.
         object.__setattr__(self, "_step_support", self._support(var_list, tf_vars))
+        object.__setattr__(self, "_step_constrain", _constraints(var_list))
         lin = linearize_for(self.solver, residual_fn, tf_vars, dtype,
                             self._step_support)
         local_cost = lambda: lm_losses.half_sum_sq(residual_fn(), dtype)  # noqa: E731
@@ -376,12 +392,30 @@ class LevenbergMarquardt:
             # and J^T r are summed over replicas and all take one step.
             return self._distributed_iterate(ctx, lin, local_cost, (), tf_vars,
                                              tf.constant(1.0, dtype))[1]
-        return self._iterate(lin, local_cost, tf_vars)[1].new_cost
+        return self._iterate(lin, local_cost, tf_vars).new_cost
 
     def _iterate(self, lin, cost_fn, tf_vars, size=None, per_example=None):
         """One LM iteration; ``size``: the examples behind ``lin`` (the
         guard compares decreases per example), None for 1; ``per_example``:
-        residuals per example (None: unknown, the guard always watches)."""
+        residuals per example (None: unknown, the guard always watches).
+        Returns the `step.StepInfo`.
+
+        A batch whose residuals, Jacobian or cost are not finite at the
+        current weights takes no step: the weights and every piece of LM
+        state (damping, controller, scaling, the guard's memory,
+        ``iterations``) stay as they were and ``skipped_batches`` counts it,
+        so the next clean batch steps as if this one had not come."""
+        finite = _linearization_is_finite(lin)
+
+        def skip():
+            self._skipped.assign_add(1)
+            return _no_step(lin)
+
+        return tf.cond(finite, lambda: self._step(lin, cost_fn, tf_vars, size,
+                                                  per_example), skip)
+
+    def _step(self, lin, cost_fn, tf_vars, size, per_example):
+        """`_iterate` on a finite batch."""
         state = self._read_state()
         dtype = state.damping.dtype
         watch = tf.constant(True)
@@ -396,18 +430,28 @@ class LevenbergMarquardt:
             restrained = self._guard(state.control, lin.cost, cost_fn, tf_vars,
                                      x_now, size, watch)
             state = state._replace(control=restrained.control)
+        start = state.control
         state, info = step_lib.levenberg_marquardt_step(
             lin, cost_fn, tf_vars, state, controller=self.controller,
             scaling=self.scaling, solver=self.solver,
             max_attempts=self.max_attempts,
-            support=getattr(self, "_step_support", None))
+            support=getattr(self, "_step_support", None),
+            constrain=getattr(self, "_step_constrain", None))
+        # No attempt accepted: the next batch starts from this one's damping
+        # restrained once (lambda x2, the trust radius /2), not from the
+        # escalation of its attempts (Nielsen's ten rejections raise lambda
+        # 2^55-fold, to the ceiling, where no step is resolvable in float32
+        # and every later batch would be rejected too).
+        state = state._replace(control=tf.nest.map_structure(
+            lambda after, failed: tf.where(info.accepted, after, failed),
+            state.control, self.controller.restrain(start)))
         self._write_state(state, info)
         if self.minibatch_guard:
             self._previous_x.assign(x_now)
             self._previous_gain.assign(tf.where(
                 info.accepted, (info.cost - info.new_cost) / size,
                 tf.zeros_like(info.cost)))
-        return state, info
+        return info
 
     def _guard(self, control, cost_now, cost_fn, tf_vars, x_now, size, watch):
         """The damping restrained when under `GUARD_CARRIED` of the last
@@ -533,6 +577,7 @@ class LevenbergMarquardt:
         dtype = self._lm_vars.control.damping.dtype
         support = self._support(variables, tf_vars)
         object.__setattr__(self, "_step_support", support)
+        object.__setattr__(self, "_step_constrain", _constraints(variables))
 
         loss_weights = lm_losses.compiled_loss_weights(model)
 
@@ -614,12 +659,13 @@ class LevenbergMarquardt:
                                                  (x, y, sample_weight), tf_vars,
                                                  size, per_example)[0]
         else:
-            _, info = self._iterate(lin, lambda: local_cost(x, y, sample_weight),
-                                    tf_vars, size, per_example)
+            info = self._iterate(lin, lambda: local_cost(x, y, sample_weight),
+                                 tf_vars, size, per_example)
             attempts = info.attempts
         logs = dict(self._report(model, x, y, y_pred, sample_weight))
         logs["damping"] = self._lm_vars.control.damping.read_value()
         logs["attempts"] = attempts
+        logs["skipped_batches"] = self._skipped.read_value()
         return logs
 
     def _distributed_iterate(self, ctx, lin, local_cost, args, tf_vars, size,
@@ -651,7 +697,7 @@ class LevenbergMarquardt:
                                            per_replica, axis=None)
 
             known = first(per_example)
-            _, info = self._iterate(total, cost_fn, tf_vars, first(size),
+            info = self._iterate(total, cost_fn, tf_vars, first(size),
                                     tf.where(known >= 0, known, 0) if
                                     per_example_known else None)
             return info.attempts, info.new_cost
@@ -725,6 +771,42 @@ class LevenbergMarquardt:
         optimizer._bound = bool(bound)  # until attached: saved the same again
         _model_hooks.bind_after_load(optimizer, bound)
         return optimizer
+
+
+def _constraints(variables):
+    """The variables' Keras constraints as one function for the step
+    (`step.levenberg_marquardt_step`'s ``constrain``), or None when none has
+    one. Applied as Keras's optimizers apply them after an update:
+    ``variable.assign(variable.constraint(variable))`` (``constraint`` is an
+    attribute of a Keras 3 variable and of a ``tf.Variable`` alike)."""
+    constrained = [(v, v.constraint) for v in variables
+                   if getattr(v, "constraint", None) is not None]
+    if not constrained:
+        return None
+
+    def constrain():
+        for variable, constraint in constrained:
+            variable.assign(constraint(variable))
+
+    return constrain
+
+
+def _linearization_is_finite(lin):
+    """Whether every part of the linearisation at the current weights is
+    finite (its cost, ``J^T r`` and whichever of ``J^T J``, ``J``, ``r`` it
+    holds)."""
+    parts = [lin.cost, lin.jtr] + [t for t in (lin.jtj, lin.jacobian, lin.residuals)
+                                   if t is not None]
+    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in parts])
+
+
+def _no_step(lin):
+    """The `step.StepInfo` of a batch skipped before any attempt."""
+    zero = tf.zeros_like(lin.cost)
+    return step_lib.StepInfo(
+        cost=lin.cost, new_cost=lin.cost, accepted=tf.constant(False),
+        attempts=tf.constant(0), step_norm=zero, gradient_norm=zero, rho=zero,
+        predicted=zero, first_step_norm=zero, last_step_norm=zero)
 
 
 def _count_nonzero_now(mask, size):

@@ -53,7 +53,7 @@ def init_state(controller, scaling, num_params, dtype):
 
 def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
                              scaling, solver, max_attempts, geodesic=None,
-                             support=None, bounds=None):
+                             support=None, bounds=None, constrain=None):
     """Runs one LM iteration from the linearisation ``lin``.
 
     Args:
@@ -73,6 +73,13 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
       bounds: optional `bounds.Bounds`: every attempted step is projected
         onto the box before it is tried and measured (``lin`` should have
         the parameters held on a bound frozen, `bounds.freeze`).
+      constrain: optional zero-argument function that may change
+        ``variables`` in place (Keras's variable constraints), applied after
+        each trial write and after a restore. Each trial is then measured
+        where the constraints put it: its cost at the constrained point, and
+        the predicted decrease ``L(0) - L(d)`` along the displacement really
+        made (the constrained point minus the start), so an accepted step
+        lowered the cost of the weights the caller keeps.
 
     Returns:
       ``(new_state, StepInfo)``.
@@ -97,10 +104,13 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
     if support is not None:  # padding: a positive diagonal, a zero step
         d2 = tf.where(support.valid, d2, tf.ones_like(d2))
 
-    x_flat = lin_lib.flatten(x0, dtype)
-    if support is not None:
-        x_flat = tf.where(support.valid, tf.gather(x_flat, support.indices),
-                          tf.zeros_like(d2))
+    def on_support(flat):
+        if support is None:
+            return flat
+        return tf.where(support.valid, tf.gather(flat, support.indices),
+                        tf.zeros_like(d2))
+
+    x_flat = on_support(lin_lib.flatten(x0, dtype))
     root_d2 = tf.sqrt(d2)
 
     def attempt(i, accepted, damping, nu, new_cost, step_norm, rho, predicted,
@@ -119,6 +129,9 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
         full = lin_lib.to_full(step, support, num_params)
         for v, v0, d in zip(variables, x0, lin_lib.unflatten(full, variables)):
             v.assign(v0 + d)
+        if constrain is not None:
+            constrain()
+            step = on_support(lin_lib.flatten(variables, dtype)) - x_flat
         trial = tf.cast(cost_fn(), dtype)
         slope = precision.dot(step, lin.jtr)
         predicted = -slope - 0.5 * precision.dot(
@@ -152,6 +165,8 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
     def restore():
         for v, v0 in zip(variables, x0):
             v.assign(v0)
+        if constrain is not None:
+            constrain()
         return tf.constant(True)
 
     tf.cond(accepted, lambda: tf.constant(False), restore)
