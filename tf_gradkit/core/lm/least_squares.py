@@ -26,17 +26,18 @@ REASONS = ("running", "gradient tolerance", "step tolerance", "cost tolerance",
            "non-finite start (the parameters or the residuals at the start are "
            "inf or NaN)")
 NON_FINITE_START = 7
-# A tolerance stop counts as converged only where the gradient is small
-# against the residuals and the Jacobian's columns at their largest over the
-# run: max_j |J_j.r| / (max_k |J_j(x_k)| |r|) <= this (`stationarity`), or
-# where r is round-off (see `least_squares`). This is scipy's gradient scaled
-# by x_scale='jac' (whose scales are the running max of the column norms),
-# divided by |r| so that it does not depend on the residuals' units. With the
-# current column norms in place of the largest (the plain cosine, MINPACK's
-# gtol measure) a minimum where a column vanishes while r does not, such as
-# r = (x - a)^2 + 5 at x = a, read as a stall. The nonzero-residual NIST runs
-# end below 2e-8; tolerance stops far from any minimum of the MGH problems
-# end above 1e-2 (docs/levenberg_marquardt.md).
+# A tolerance stop counts as converged only where r is round-off (see
+# `least_squares`) or the gradient is small: the cosine between r and the
+# Jacobian's columns, max_j |J_j.r| / (|J_j| |r|) (MINPACK's gtol measure), at
+# most this; or, where that cosine misreads a minimum at which a column
+# vanishes while r does not (r = (x - a)^2 + 5 at x = a: cosine 1), the same
+# cosine with each column at its largest norm over the run (`stationarity`:
+# scipy's gradient scaled by x_scale='jac', over |r|) at most this and
+# Dennis-Schnabel's relative gradient max_j |g_j| max(|x_j|, 1) / cost at
+# most eps^(1/3) (the largest norms alone passed Jennrich-Sampson from 10x0,
+# stopped at f = 5e28 with a relative gradient of 66). The nonzero-residual
+# NIST runs end below 2e-8; tolerance stops far from any minimum of the MGH
+# problems end above 1e-2 (docs/levenberg_marquardt.md).
 STATIONARY_COSINE = 1e-3
 
 
@@ -341,14 +342,27 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         code = tf.where(code == 0, 4, code)
         final = linearize(solver.consumes if matrix_free else solvers_lib.JACOBIAN)
         kept = held(final)
-        largest = tf.maximum(largest, column_norms(kept))
-        cosine, r_norm = _stationarity(kept, largest)
+        now = column_norms(kept)
+        cosine_now, r_norm = _stationarity(kept, now)
+        cosine, _ = _stationarity(kept, tf.maximum(largest, now))
+        # Stationary: the cosine small with the columns' current norms, or,
+        # where a column has shrunk (a minimum where it vanishes while r does
+        # not), small with their largest norms and the gradient small
+        # relative to the cost (Dennis-Schnabel's relative gradient
+        # max_j |g_j| max(|x_j|, 1) / cost <= eps^(1/3)).
+        x_abs = tf.abs(lin_lib.flatten(var_list, dtype))
+        tiny = tf.constant(np.finfo(dtype.as_numpy_dtype).tiny, dtype)
+        relative = tf.reduce_max(tf.abs(kept.jtr) * tf.maximum(x_abs, 1.0)) / (
+            tf.maximum(final.cost, tiny))
+        stationary = ((cosine_now <= STATIONARY_COSINE)
+                      | ((cosine <= STATIONARY_COSINE)
+                         & (relative <= eps ** (1.0 / 3.0))))
         # Not at round-off: the residuals' largest component along a column
         # of J, cosine * |r|, above sqrt(eps) (a zero-residual solution has
         # |r| at round-off, where its direction means nothing), and the cost
         # not down to eps times its start.
-        along = cosine * r_norm
-        far = ((code >= 2) & (code <= 3) & (cosine > STATIONARY_COSINE)
+        along = cosine_now * r_norm
+        far = ((code >= 2) & (code <= 3) & ~stationary
                & (along > tf.sqrt(tf.constant(eps, dtype)))
                & (final.cost > eps * start_cost))
         return (it, tf.where(far, 6, code), state.damping, final.cost, cosine), final
