@@ -35,7 +35,10 @@ class Bounds:
     def from_argument(cls, bounds, var_list, dtype):
         """Reads scipy's ``bounds=(lb, ub)``: each side a scalar, a flat
         array over all parameters (the variables' elements in order), or a
-        list with one scalar or variable-shaped array per variable."""
+        list with one scalar or variable-shaped array per variable; or an
+        object with ``lb`` and ``ub`` (``scipy.optimize.Bounds``)."""
+        if hasattr(bounds, "lb") and hasattr(bounds, "ub"):
+            bounds = (bounds.lb, bounds.ub)
         if not (isinstance(bounds, (tuple, list)) and len(bounds) == 2):
             raise ValueError(
                 "least_squares: `bounds` must be a pair (lower, upper), each a "
@@ -99,6 +102,17 @@ class Bounds:
         the box."""
         return (((x <= self.lower) & (gradient > 0))
                 | ((x >= self.upper) & (gradient < 0)))
+
+    def coleman_li(self, x, gradient):
+        """Coleman-Li's scaling ``v`` (scipy's first-order optimality under
+        bounds is ``max |g v|``): the distance to the upper bound where
+        ``g < 0``, to the lower bound where ``g > 0``, 1 where that bound is
+        infinite (or ``g = 0``)."""
+        one = tf.ones_like(x)
+        v = tf.where((gradient < 0) & tf.math.is_finite(self.upper),
+                     self.upper - x, one)
+        return tf.where((gradient > 0) & tf.math.is_finite(self.lower),
+                        x - self.lower, v)
 
     def active_mask(self, x):
         """scipy's ``active_mask``: -1 on the lower bound, 1 on the upper, 0

@@ -11,6 +11,7 @@ on a bound do not move with ``theta``: their rows leave ``H`` and their
 derivative is 0.
 """
 
+import numpy as np
 import tensorflow as tf
 
 from tf_gradkit.core.lm.least_squares import least_squares
@@ -60,7 +61,12 @@ def solve_least_squares(residual_fn, x0, args=(), **options):
                         f"Received: {type(args).__name__}")
     args = tuple(tf.convert_to_tensor(a) for a in args)
     typed = hasattr(x0, "dtype")
-    x0 = tf.convert_to_tensor(x0)
+    x0 = tf.convert_to_tensor(x0 if typed or not np.iscomplexobj(x0)
+                              else np.asarray(x0))
+    if x0.dtype.is_complex or not (x0.dtype.is_floating or x0.dtype.is_integer):
+        raise ValueError("solve_least_squares: `x0` must be real numbers (a float "
+                         "or integer tensor, array or list; scipy refuses a complex "
+                         f"`x0` too). Received: x0 of dtype {x0.dtype.name}.")
     if not typed or not x0.dtype.is_floating:  # a list: the data's float dtype
         floats = [a.dtype for a in args if a.dtype.is_floating]
         x0 = tf.cast(x0, floats[0] if floats else tf.float32)

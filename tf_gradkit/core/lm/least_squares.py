@@ -7,6 +7,7 @@ XLA compilation): no host round-trip per iteration.
 
 from typing import NamedTuple
 
+import numpy as np
 import tensorflow as tf
 
 from tf_gradkit.core.lm import bounds as bounds_lib
@@ -21,12 +22,22 @@ from tf_gradkit.core.lm import step as step_lib
 REASONS = ("running", "gradient tolerance", "step tolerance", "cost tolerance",
            "iteration limit", "no acceptable step (damping exhausted)",
            "stalled far from a minimum (steps stopped while the gradient is not "
-           "small: try another start or rescale the parameters)")
-# A tolerance stop counts as converged only where the residuals are (nearly)
-# orthogonal to every column of J: max_j |J_j.r| / (|J_j| |r|) <= this, or
-# where r is round-off (see `least_squares`). The nonzero-residual NIST runs
-# end below 2e-8; tolerance stops far from any minimum of the MGH problems
-# end above 1e-2 (docs/levenberg_marquardt.md).
+           "small: try another start or rescale the parameters)",
+           "non-finite start (the parameters or the residuals at the start are "
+           "inf or NaN)")
+NON_FINITE_START = 7
+# A tolerance stop counts as converged only where r is round-off (see
+# `least_squares`) or the gradient is small: the cosine between r and the
+# Jacobian's columns, max_j |J_j.r| / (|J_j| |r|) (MINPACK's gtol measure), at
+# most this; or, where that cosine misreads a minimum at which a column
+# vanishes while r does not (r = (x - a)^2 + 5 at x = a: cosine 1), the same
+# cosine with each column at its largest norm over the run (`stationarity`:
+# scipy's gradient scaled by x_scale='jac', over |r|) at most this and
+# Dennis-Schnabel's relative gradient max_j |g_j| max(|x_j|, 1) / cost at
+# most eps^(1/3) (the largest norms alone passed Jennrich-Sampson from 10x0,
+# stopped at f = 5e28 with a relative gradient of 66). The nonzero-residual
+# NIST runs end below 2e-8; tolerance stops far from any minimum of the MGH
+# problems end above 1e-2 (docs/levenberg_marquardt.md).
 STATIONARY_COSINE = 1e-3
 
 
@@ -37,14 +48,24 @@ class LeastSquaresResult(NamedTuple):
       cost: final ``0.5 * sum r^2``.
       iterations: LM iterations run.
       converged: True if a tolerance was met at a stationary point (not the
-        iteration limit, not a stall with every attempt rejected, and not a
-        tolerance stop far from a minimum: see `reason`).
+        iteration limit, not a stall with every attempt rejected, not a
+        tolerance stop far from a minimum and not a non-finite start: see
+        `reason`).
       reason_code: index into `REASONS`.
       damping: final damping (lambda; 0 for a Gauss-Newton step).
-      optimality: ``max_j |J_j . r| / (|J_j| |r|)`` at the final point, the
-        cosine between the residuals and the Jacobian's columns (0 at a
-        minimum; MINPACK's gtol measure), over the parameters not held on a
-        bound; 0 for matrix-free solvers.
+      optimality: scipy's first-order optimality at the final point:
+        ``max_i |g_i|`` with ``g`` the cost's gradient (`grad`); with
+        ``bounds``, ``max_i |g_i v_i|`` with Coleman-Li's ``v_i``: the
+        distance to the bound that ``-g_i`` points to, 1 where that side is
+        unbounded (0 for a parameter on a bound it is pushed against). In
+        the cost's units: compare it with ``gtol``-like absolute numbers.
+      stationarity: ``max_j |J_j . r| / (max_k |J_j(x_k)| |r|)`` at the final
+        point: the cosine between the (step) residuals and the Jacobian's
+        columns, each column measured at its largest norm over the run
+        (scipy's gradient with ``x_scale='jac'``, over ``|r|``), over the
+        parameters not held on a bound; 0 at a minimum, 0 for matrix-free
+        solvers. A tolerance stop with this above `STATIONARY_COSINE` is
+        reported as stalled, not converged.
       x: the solution, flat (the variables' elements in order); the
         variables themselves hold it too.
       fun: the residuals at the solution, flat [N] (scipy's ``fun``).
@@ -69,6 +90,7 @@ class LeastSquaresResult(NamedTuple):
     reason_code: tf.Tensor
     damping: tf.Tensor
     optimality: tf.Tensor
+    stationarity: tf.Tensor = None
     x: tf.Tensor = None
     fun: tf.Tensor = None
     jac: tf.Tensor = None
@@ -96,7 +118,8 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         computed from the variables in ``var_list``.
       var_list: ``tf.Variable``s to fit (updated in place); the solve runs in
         their dtype (use float64 for reference precision).
-      max_iterations: iteration limit.
+      max_iterations: iteration limit (0: no step, the result describes the
+        start, as scipy's ``max_nfev=1``).
       controller: "trust_region" (default: Moré's trust radius on the scaled
         step, as MINPACK; lambda may reach 0), "nielsen" (gain-ratio damping,
         the Keras optimizer's default), "multiply_divide" or a controller
@@ -105,20 +128,31 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         (103 at a listed minimum) against Nielsen's 97 (101) and MINPACK's 95
         (103), and it solves Meyer's function from 10x0 and 100x0 where
         Nielsen crawls (docs/levenberg_marquardt.md).
-      scaling: "marquardt" (default, scale-invariant: ``D`` from the
-        Jacobian's column norms, running max as MINPACK), "levenberg"
+      scaling: "marquardt" (the default with ``loss="linear"``,
+        scale-invariant: ``D`` from the Jacobian's column norms, running max
+        as MINPACK; with a robust loss the default is "hybrid", see below),
+        "levenberg"
         (``D = I``) or "hybrid" (a Levenberg run with scipy ``trf``'s first
         radius, then, only if it ends unconverged, a Marquardt run from the
         same start; the lower cost wins: `damping.Hybrid`). On the
         Moré-Garbow-Hillstrom runs the hybrid solves 108 of 126 against the
-        default's 97 and scipy ``trf``'s 105; or use ``x_scale``.
+        default's 97 and scipy ``trf``'s 105; or use ``x_scale``. A robust
+        loss defaults to "hybrid": its Jacobian's rows are scaled by
+        ``sqrt(eps)`` where the loss is concave (scipy's rescaling), so
+        Marquardt's ``D`` from a start where every residual is an outlier is
+        ~1e-8 of the residuals' real sensitivity and a first trust radius in
+        those units is a step of ~1e9 in ``x`` (scipy's ``trf`` test with
+        ``loss="arctan"``, ``f_scale=0.1`` from 0 then ends in a worse local
+        minimum, cost 0.0653 against 0.0317).
       solver: "qr" (default: precision on ill-conditioned problems),
         "cholesky" (fast normal equations), "dual" (J J^T form, for fewer
         residuals than parameters), "cg" (matrix-free conjugate gradients,
         memory O(N + P); needs scaling="levenberg"), or a solver object.
       max_attempts: damped solves per iteration before giving up.
       gtol: stop when ``max |J^T r| <= gtol * max(1, cost)``; default: the
-        dtype's machine epsilon.
+        dtype's machine epsilon. ``gtol``, ``xtol`` and ``ftol`` must be
+        numbers >= 0 (or None for the default), not all three below the
+        dtype's epsilon (as scipy: the solve could never stop on them).
       xtol: stop when an accepted step ``|d| <= xtol * (xtol + |x|)``;
         default ``eps**0.75`` (1.8e-12 in float64, 6.4e-6 in float32).
       ftol: stop when an accepted step lowers the cost by ``<= ftol * cost``,
@@ -130,7 +164,7 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         all parameters (the variables' elements in order) or a list with one
         entry per variable; ``-inf``/``inf`` for none. The iterates never
         leave the box (a projected step with an active set, `bounds.py`);
-        the start must lie inside it.
+        the start must lie inside it. A `scipy.optimize.Bounds` works too.
       loss: "linear" (default), "soft_l1", "huber", "cauchy" or "arctan":
         scipy's robust losses, or "absolute" (``f_scale * sum |r|``, by
         reweighted least squares); the cost is ``0.5 * f_scale^2 *
@@ -170,11 +204,19 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                 "least_squares: `var_list` must hold the tf.Variables to fit "
                 "(updated in place), e.g. [tf.Variable(x0, dtype=tf.float64)]. "
                 f"Received: var_list[{i}] of type {type(v).__name__}.")
+    for i, v in enumerate(var_list):
+        if not v.dtype.is_floating:
+            raise ValueError(
+                "least_squares: the variables in `var_list` must be real floating "
+                "point (float64 for reference work; scipy refuses a complex `x0` "
+                f"too). Received: var_list[{i}] ({v.name}) of dtype "
+                f"{v.dtype.name}.")
     if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) \
-            or max_iterations < 1:
-        raise ValueError("least_squares: `max_iterations` must be an integer >= 1. "
+            or max_iterations < 0:
+        raise ValueError("least_squares: `max_iterations` must be an integer >= 0. "
                          f"Received: max_iterations={max_iterations!r}")
     controller = resolve_part(controller, damping_lib.CONTROLLERS, "controller")
+    robust = RobustLoss(loss, f_scale)
     if x_scale is not None:
         if scaling is not None:
             raise ValueError("least_squares: pass `scaling` or `x_scale`, not both "
@@ -182,11 +224,12 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                              f"{scaling!r}, x_scale={x_scale!r}")
         scaling = (damping_lib.Marquardt() if isinstance(x_scale, str)
                    and x_scale == "jac" else _x_scale(x_scale))
-    scaling = resolve_part("marquardt" if scaling is None else scaling,
-                           damping_lib.SCALINGS, "scaling")
     solver = resolve_part(solver, solvers_lib.SOLVERS, "solver")
+    if scaling is None:  # a robust loss: see `scaling` above
+        scaling = ("hybrid" if not robust.is_linear
+                   and solver.consumes != solvers_lib.MATRIX_FREE else "marquardt")
+    scaling = resolve_part(scaling, damping_lib.SCALINGS, "scaling")
     check_parts(scaling, solver, "least_squares")
-    robust = RobustLoss(loss, f_scale)
     geodesic = None
     if geodesic_acceleration and (bounds is not None or not robust.is_linear):
         raise ValueError("least_squares: `geodesic_acceleration` works on plain "
@@ -197,10 +240,13 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         geodesic = geodesic_lib.GeodesicAcceleration(residual_fn, alpha=alpha)
     dtype = var_list[0].dtype.base_dtype
     eps = float(tf.experimental.numpy.finfo(dtype.as_numpy_dtype).eps)
+    _check_tolerances(dict(gtol=gtol, xtol=xtol, ftol=ftol), eps, dtype)
     gtol = eps if gtol is None else gtol
     xtol = eps ** 0.75 if xtol is None else xtol
     ftol = 4 * eps if ftol is None else ftol
     num_params = sum(v.shape.num_elements() for v in var_list)
+    if tf.executing_eagerly():
+        _check_finite_start(var_list)
     box = None
     if bounds is not None:
         box = bounds_lib.Bounds.from_argument(bounds, var_list, dtype)
@@ -236,12 +282,18 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
 
     def run(scaling, controller, start_cost):
         """One whole solve from the variables' values: ``((iterations, stop
-        code, damping, final cost, optimality), final linearisation)``; the
+        code, damping, final cost, stationarity), final linearisation)``; the
         variables end at its solution."""
 
-        def body(it, reason, state, cost):
+        def column_norms(lin):
+            if lin.jtj is None:
+                return tf.zeros_like(lin.jtr)
+            return tf.sqrt(tf.maximum(tf.linalg.diag_part(lin.jtj), 0.0))
+
+        def body(it, reason, state, cost, largest):
             del cost
             lin = held(linearize())
+            largest = tf.maximum(largest, column_norms(lin))
             grad_small = tf.reduce_max(tf.abs(lin.jtr)) <= gtol * tf.maximum(
                 lin.cost, 1.0)
 
@@ -273,22 +325,44 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
 
             new_state, new_cost, code = tf.cond(
                 grad_small, lambda: (state, lin.cost, tf.constant(1)), take_step)
-            return it + 1, code, new_state, new_cost
+            return it + 1, code, new_state, new_cost, largest
 
         state = step_lib.init_state(controller, scaling, num_params, dtype)
-        it, code, state, _ = tf.while_loop(
+        # A start with a non-finite parameter or cost is refused eagerly
+        # (`_check_finite_start`, and below for the residuals); in a graph
+        # the solve stops before its first step.
+        x_start = lin_lib.flatten(var_list, dtype)
+        finite = (tf.reduce_all(tf.math.is_finite(x_start))
+                  & tf.math.is_finite(start_cost))
+        it, code, state, _, largest = tf.while_loop(
             lambda it, reason, *_: (reason == 0) & (it < max_iterations), body,
-            (tf.constant(0), tf.constant(0), state, tf.constant(0.0, dtype)),
+            (tf.constant(0), tf.where(finite, 0, NON_FINITE_START), state,
+             tf.constant(0.0, dtype), tf.zeros([num_params], dtype)),
             maximum_iterations=max_iterations)
         code = tf.where(code == 0, 4, code)
         final = linearize(solver.consumes if matrix_free else solvers_lib.JACOBIAN)
-        cosine = _optimality(held(final))
+        kept = held(final)
+        now = column_norms(kept)
+        cosine_now, r_norm = _stationarity(kept, now)
+        cosine, _ = _stationarity(kept, tf.maximum(largest, now))
+        # Stationary: the cosine small with the columns' current norms, or,
+        # where a column has shrunk (a minimum where it vanishes while r does
+        # not), small with their largest norms and the gradient small
+        # relative to the cost (Dennis-Schnabel's relative gradient
+        # max_j |g_j| max(|x_j|, 1) / cost <= eps^(1/3)).
+        x_abs = tf.abs(lin_lib.flatten(var_list, dtype))
+        tiny = tf.constant(np.finfo(dtype.as_numpy_dtype).tiny, dtype)
+        relative = tf.reduce_max(tf.abs(kept.jtr) * tf.maximum(x_abs, 1.0)) / (
+            tf.maximum(final.cost, tiny))
+        stationary = ((cosine_now <= STATIONARY_COSINE)
+                      | ((cosine <= STATIONARY_COSINE)
+                         & (relative <= eps ** (1.0 / 3.0))))
         # Not at round-off: the residuals' largest component along a column
         # of J, cosine * |r|, above sqrt(eps) (a zero-residual solution has
         # |r| at round-off, where its direction means nothing), and the cost
         # not down to eps times its start.
-        along = cosine * tf.sqrt(2.0 * final.cost)
-        far = ((code >= 2) & (code <= 3) & (cosine > STATIONARY_COSINE)
+        along = cosine_now * r_norm
+        far = ((code >= 2) & (code <= 3) & ~stationary
                & (along > tf.sqrt(tf.constant(eps, dtype)))
                & (final.cost > eps * start_cost))
         return (it, tf.where(far, 6, code), state.damping, final.cost, cosine), final
@@ -314,7 +388,8 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                                              second, first)
                 return (first[0] + second[0],) + tuple(kept[1:])
 
-            out = tf.cond(out[1] >= 4, another, lambda out=out: out)
+            out = tf.cond((out[1] >= 4) & (out[1] != NON_FINITE_START), another,
+                          lambda out=out: out)
         it, code, damping, _, cosine = out
         if len(phases) > 1:  # the kept phase's point: linearised again there
             final = linearize(solver.consumes if matrix_free else solvers_lib.JACOBIAN)
@@ -322,18 +397,27 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         fun = tf.cast(tf.reshape(residual_fn(), [-1]), dtype)
         mask = (tf.zeros([num_params], tf.int32) if box is None
                 else box.active_mask(x))
-        return (it, code, damping, final.cost, cosine,
+        scaled = final.jtr if box is None else final.jtr * box.coleman_li(x, final.jtr)
+        optimality = tf.reduce_max(tf.abs(scaled))
+        return (it, code, damping, final.cost, optimality, cosine,
                 x, fun, final.jacobian, final.jtr, mask)
 
     if tf.executing_eagerly():
         out = tf.function(solve, jit_compile=jit_compile)()
     else:
         out = solve()
-    it, code, damping, cost, cosine, x, fun, jac, grad, mask = out
+    it, code, damping, cost, optimality, cosine, x, fun, jac, grad, mask = out
+    if tf.executing_eagerly() and int(code) == NON_FINITE_START:
+        raise ValueError(
+            "least_squares: the residuals of `residual_fn` are not finite at the "
+            "start (as scipy: 'Residuals are not finite in the initial point'). "
+            f"Received: cost {float(cost)} at the values in `var_list`; start "
+            "where every residual is finite.")
     return LeastSquaresResult(cost=cost, iterations=it,
                               converged=(code >= 1) & (code <= 3),
                               reason_code=code, damping=damping,
-                              optimality=cosine, x=x, fun=fun, jac=jac, grad=grad,
+                              optimality=optimality, stationarity=cosine,
+                              x=x, fun=fun, jac=jac, grad=grad,
                               active_mask=mask,
                               covariance=None if jac is None
                               else covariance(jac, cost))
@@ -357,18 +441,49 @@ def covariance(jac, cost):
 
 
 def _x_scale(x_scale):
-    if isinstance(x_scale, str):
+    if isinstance(x_scale, str) or np.iscomplexobj(x_scale):
         raise ValueError("least_squares: `x_scale` must be 'jac' or positive "
-                         f"numbers. Received: x_scale={x_scale!r}")
+                         f"real numbers. Received: x_scale={x_scale!r}")
     return damping_lib.XScale(x_scale)
 
 
-def _optimality(lin):
-    """``max_j |J_j . r| / (|J_j| |r|)`` (0 where a column or r is zero)."""
+def _check_tolerances(tolerances, eps, dtype):
+    for name, value in tolerances.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(
+                value, (int, float)) or not value >= 0):
+            raise ValueError(f"least_squares: `{name}` must be a number >= 0 or None "
+                             f"(the default). Received: {name}={value!r}")
+    if all(value is not None and value < eps for value in tolerances.values()):
+        raise ValueError(
+            "least_squares: at least one of `gtol`, `xtol`, `ftol` must be above "
+            f"the machine epsilon of {dtype.name} ({eps:.3g}), or the solve could "
+            "only stop at the iteration limit (as scipy); pass None for a "
+            "default. Received: " + ", ".join(f"{k}={v!r}" for k, v in
+                                               tolerances.items()))
+
+
+def _check_finite_start(var_list):
+    """Raises when a variable holds inf or NaN (eagerly: values are known)."""
+    for i, v in enumerate(var_list):
+        values = v.numpy().reshape(-1)
+        bad = ~np.isfinite(values)
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise ValueError(
+                "least_squares: the starting values in `var_list` must be finite "
+                f"(as scipy's `x0`). Received: var_list[{i}] ({v.name}) holds "
+                f"{values[j]} at flat index {j}.")
+
+
+def _stationarity(lin, largest):
+    """``(max_j |J_j . r| / (largest_j |r|), |r|)``, ``r`` the step residuals
+    (0 where a column or r is zero)."""
     if lin.jtj is None:
-        return tf.zeros([], lin.jtr.dtype)
-    column_norms = tf.sqrt(tf.linalg.diag_part(lin.jtj))
-    denominator = column_norms * tf.sqrt(2.0 * lin.cost)
+        zero = tf.zeros([], lin.jtr.dtype)
+        return zero, zero
+    r_norm = (tf.norm(lin.residuals) if lin.residuals is not None
+              else tf.sqrt(2.0 * lin.cost))
+    denominator = largest * r_norm
     return tf.reduce_max(tf.where(denominator > 0, tf.abs(lin.jtr) / tf.where(
         denominator > 0, denominator, tf.ones_like(denominator)),
-        tf.zeros_like(denominator)))
+        tf.zeros_like(denominator))), r_norm
