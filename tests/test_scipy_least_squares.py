@@ -385,8 +385,13 @@ def test_rosenbrock_bounds(problem, options):
     # scipy's optimality under bounds (Coleman-Li scaled gradient).
     np.testing.assert_allclose(float(res.optimality), 0.0, atol=1e-5)
     assert_converged(res)
-    ref = so.least_squares(reference.fun_rosenbrock, x0, bounds=bounds)
-    np.testing.assert_allclose(float(res.cost), ref.cost, rtol=1e-6, atol=1e-12)
+    ref = so.least_squares(reference.fun_rosenbrock, x0, bounds=bounds,
+                           x_scale=options.get("x_scale", 1.0))
+    # The bounded Rosenbrock has several first-order points (bounds active or
+    # not); scipy's test asks for one. With x_scale the two paths can end at
+    # different ones (seen: ours 0.0252 where scipy's is 2.47, and 2.47 where
+    # scipy's is 12.5): ours must be no worse than scipy's.
+    assert float(res.cost) <= ref.cost * (1 + 1e-6) + 1e-12, (float(res.cost), ref.cost)
 
 
 # -- SparseMixin: the Broyden tridiagonal problem, dense ----------------------
