@@ -192,7 +192,7 @@ def test_least_squares_iteration_limit_is_not_convergence():
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"var_list": []}, "`var_list` is empty"),
-    ({"max_iterations": 0}, "`max_iterations` must be an integer >= 1"),
+    ({"max_iterations": -1}, "`max_iterations` must be an integer >= 0"),
     ({"solver": "svd"}, "`solver` must be one of"),
     ({"controller": "gauss"}, "`controller` must be one of"),
 ])
