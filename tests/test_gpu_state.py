@@ -207,9 +207,9 @@ def test_compiled_steps_use_no_host_only_ops(K, gk, name):
 # the model's train_step (with tf_gradkit's hooks) in one function.
 def _allowed_compositions():
     from test_composition import (ELSEWHERE, REFUSED, REFUSED_AT_FIT,  # noqa: PLC0415
-                                  _cells, _parse)
+                                  REFUSED_BY_KERAS, _cells, _parse)
     return [c for c in _cells() if _parse(c) not in {**REFUSED, **REFUSED_AT_FIT,
-                                                     **ELSEWHERE}]
+                                                     **REFUSED_BY_KERAS, **ELSEWHERE}]
 
 
 def _composition_step(K, gk, cell, jit):

@@ -57,7 +57,8 @@ def _optimizers(K, gk):
         # Keras 3.15: an accumulator for the first layer, Adam for the rest.
         "multioptimizer": lambda m: K.optimizers.MultiOptimizer(K.optimizers.OptimizerMap(
             default_optimizer=K.optimizers.Adam(0.05),
-            optimizer_map={"^" + m.trainable_variables[0].path.rsplit("/", 1)[0] + "/":
+            # Keys are matched whole (re.fullmatch): the layer's path and ".*".
+            optimizer_map={m.trainable_variables[0].path.rsplit("/", 1)[0] + "/.*":
                            gk.GradientAccumulator(K.optimizers.Adam(0.05), 4, model=m,
                                                   epoch_end="carry")})),
     }
@@ -94,6 +95,10 @@ def test_save_mid_run_load_and_continue_exactly(K, gk, tmp_path, name, fmt):
     _fit(stopped, *first)
     if name.startswith("accumulator"):  # 3 micro-batches: the window is open
         assert int(stopped.optimizer.window_micro_step.numpy()) == 3
+    if name == "multioptimizer":  # the accumulator's group is really its own
+        windows = [int(o.window_micro_step.numpy()) for o in stopped.optimizer.optimizers
+                   if hasattr(o, "window_micro_step")]
+        assert windows == [3]
 
     if fmt == "checkpoint":
         path = tf.train.Checkpoint(model=stopped, optimizer=stopped.optimizer,
@@ -110,6 +115,15 @@ def test_save_mid_run_load_and_continue_exactly(K, gk, tmp_path, name, fmt):
         # Nothing but load_model: bound again, and (SavedModel) the state
         # tf_keras leaves behind read back when the optimizer is built.
         loaded = K.models.load_model(path)
+        if name == "multioptimizer":
+            # Keras 3.15 loads the layers under other paths (no model-name
+            # prefix), so the map's path key matches nothing: Keras skips its
+            # optimizers' state with a warning and would hand the
+            # accumulator's variables to the default optimizer. Refused at
+            # the first fit, naming the key (docs/composing.md).
+            with pytest.raises(ValueError, match="matched no variable"):
+                _fit(loaded, *second)
+            return
         loaded.optimizer.build(loaded.trainable_variables)
         assert type(loaded.optimizer) is type(stopped.optimizer)
         if name != "multioptimizer":  # Keras's get_config holds its map object
