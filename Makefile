@@ -57,11 +57,20 @@ test: $(STAMP)
 	$(MAKE) --no-print-directory $(addprefix example-,$(MULTIPROCESS_EXAMPLES))
 	$(MAKE) --no-print-directory -j2 --output-sync=target $(addprefix example-,$(EXAMPLES))
 
+# Tests marked keras_free import no Keras, so either side of `make test` can run
+# them; these files run on the tf_keras side (in a process of their own, after
+# the tf_keras suite) so that the two sides take about the same time.
+KERAS_FREE_BESIDE_TF_KERAS := tests/test_nist.py tests/test_lm_trust_region.py \
+	tests/test_scipy_least_squares.py
+
 test-keras3-local: $(STAMP)
-	TF_USE_LEGACY_KERAS=0 $(PYTEST) -m "not slow and not multiworker"
+	TF_USE_LEGACY_KERAS=0 $(PYTEST) --durations=15 -m "not slow and not multiworker" \
+	  $(addprefix --ignore=,$(KERAS_FREE_BESIDE_TF_KERAS))
 
 test-tf-keras-local: $(STAMP)
-	TF_USE_LEGACY_KERAS=1 $(PYTEST) -m "not slow and not keras_free and not multiworker"
+	TF_USE_LEGACY_KERAS=1 $(PYTEST) --durations=15 -m "not slow and not keras_free and not multiworker"
+	TF_USE_LEGACY_KERAS=0 $(PYTEST) --durations=5 -m "not slow and not multiworker" \
+	  $(KERAS_FREE_BESIDE_TF_KERAS)
 
 example-%: $(STAMP)
 	$(PY) examples/$*.py

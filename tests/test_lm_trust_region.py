@@ -254,8 +254,10 @@ def _solved(problem, f):
 # in its Levenberg phase, Meyer in its Marquardt phase after the first ends
 # unconverged.
 @pytest.mark.parametrize("name,factor,fails_with", [
-    ("chebyquad_8", 10, "marquardt"),
-    ("gulf", 1, "marquardt"),
+    # The two longest cases (about 15 s each on a quiet 2-core machine) run
+    # with `make test-slow`; meyer keeps the check in `make test`.
+    pytest.param("chebyquad_8", 10, "marquardt", marks=pytest.mark.slow),
+    pytest.param("gulf", 1, "marquardt", marks=pytest.mark.slow),
     ("meyer", 10, "levenberg"),
 ])
 def test_hybrid_scaling_solves_what_either_scaling_alone_fails(name, factor,
