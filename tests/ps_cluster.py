@@ -147,6 +147,9 @@ def fit(strategy, coordinator, while_training=None, steps=60):
             "dropped": int(opt.dropped_gradients.numpy()),
             "open": int(opt.window_micro_step.numpy()),
             "version": int(opt.version.numpy()), "state_devices": state,
+            "lost": int(opt.lost_micro_steps.numpy()),
+            "interrupted": int(opt.interrupted_updates.numpy()),
+            "phase": int(opt._journal.variable.numpy()[0]),  # pylint: disable=protected-access
             "window_weight": float(opt._state.weight.numpy())}  # pylint: disable=protected-access
 
 
@@ -166,7 +169,7 @@ def killed(strategy, coordinator):
         def watch():
             deadline = time.time() + 60
             while time.time() < deadline:
-                built = opt._state is not None  # pylint: disable=protected-access
+                built = opt._journal is not None  # made last  # pylint: disable=protected-access
                 if built and int(opt.micro_steps.numpy()) >= 10:
                     _kill_and_restart_worker(1)
                     kills.append(time.time())
