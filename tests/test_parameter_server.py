@@ -11,9 +11,11 @@ What holds while both workers update at once:
   since updated is dropped and counted (a worker held back on purpose);
 - `tf_gradkit.ConditionalAccumulator` shared by the workers, taken by the
   chief while they apply: every accepted gradient is in exactly one take;
-- a worker process killed while training: `fit` ends, and every scheduled
-  step is counted at least once (the coordinator re-runs the step the dead
-  worker held, which may already have been applied: at-least-once).
+- a worker process killed while training: `fit` ends, every scheduled step
+  is counted at least once (the coordinator re-runs the step the dead worker
+  held, which may already have been applied: at-least-once), and the
+  counters agree with each other and with the open window's weight (a
+  micro-step the death cut off is rolled back: `test_torn_micro_step.py`).
 """
 
 import json

@@ -131,8 +131,9 @@ class GradientAccumulator(Wrapper):
     reduction happens when the window closes. Under ``ParameterServerStrategy``
     (tf_keras) the window lives on the parameter servers, each micro-step
     holds a mutex there (while the workers live, every window takes exactly
-    ``steps`` accepted micro-steps; a worker's death makes its step
-    at-least-once, docs/distributed.md) and, under ``fit``, a gradient
+    ``steps`` accepted micro-steps; a micro-step a dying worker cuts off is
+    rolled back and its window dropped and counted in ``lost_micro_steps``,
+    and a re-run step may count twice: docs/distributed.md) and, under ``fit``, a gradient
     computed against weights that another worker's window has since updated
     is dropped as stale.
 
