@@ -190,8 +190,8 @@ def killed_in_close(strategy, coordinator):
     """"killed", but each window's update is slow (a busy loop inside the
     inner optimizer's learning rate, under the mutex), and worker 1 is
     killed (and started again) whenever the journal says a window is being
-    applied, 3 times: the holder is worker 1 about half the time, so most
-    runs cut an update off in the middle (`interrupted_updates`)."""
+    applied, 3 times (the holder may be either worker: whether an update is
+    cut off in the middle, `interrupted_updates`, varies from run to run)."""
     import threading  # noqa: PLC0415
     import time  # noqa: PLC0415
 
