@@ -118,8 +118,7 @@ def test_fit_counters_agree_after_a_worker_is_killed_repeated(tmp_path, repeat):
 def test_fit_counters_agree_after_kills_while_a_window_is_applied(tmp_path):
     # Killed 3 times while some worker (either one) applies a slow window
     # update. Whether any kill cuts worker 1's update off varies; the
-    # counters must agree either way. (In our one run before merging: no
-    # update was cut off, none lost, none counted twice.)
+    # counters must agree either way.
     r = _run(tmp_path, "killed_in_close", timeout=240)
     print("killed while applying:", r)
     _assert_killed_run_is_consistent(r, scheduled=120, kills=3)
