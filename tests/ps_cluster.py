@@ -21,7 +21,9 @@ Scenarios:
   killed   ``fit`` as in "fit" (300 steps), with worker 1 a separate process
            (``python ps_cluster.py serve SPEC INDEX SECONDS``) that is killed
            (SIGKILL) while training and started again on its port: the
-           coordinator re-runs the closures it held on the other worker.
+           coordinator re-runs the closures it held on the other worker;
+  killed_in_close  "killed" with a slow window update, worker 1 killed 3
+           times while a window is applied (120 steps).
 """
 
 import json
@@ -119,7 +121,7 @@ def _model(tf_keras):
                                 tf_keras.layers.Dense(1)])
 
 
-def fit(strategy, coordinator, while_training=None, steps=60):
+def fit(strategy, coordinator, while_training=None, steps=60, learning_rate=0.05):
     del coordinator
     import tf_keras  # noqa: PLC0415
 
@@ -133,7 +135,7 @@ def fit(strategy, coordinator, while_training=None, steps=60):
 
     with strategy.scope():
         model = _model(tf_keras)
-        opt = GradientAccumulator(tf_keras.optimizers.SGD(0.05), steps=2, model=model,
+        opt = GradientAccumulator(tf_keras.optimizers.SGD(learning_rate), steps=2, model=model,
                                   epoch_end="carry")
         model.compile(optimizer=opt, loss="mse")
     if while_training is not None:
@@ -147,6 +149,9 @@ def fit(strategy, coordinator, while_training=None, steps=60):
             "dropped": int(opt.dropped_gradients.numpy()),
             "open": int(opt.window_micro_step.numpy()),
             "version": int(opt.version.numpy()), "state_devices": state,
+            "lost": int(opt.lost_micro_steps.numpy()),
+            "interrupted": int(opt.interrupted_updates.numpy()),
+            "phase": int(opt._journal.variable.numpy()[0]),  # pylint: disable=protected-access
             "window_weight": float(opt._state.weight.numpy())}  # pylint: disable=protected-access
 
 
@@ -166,7 +171,7 @@ def killed(strategy, coordinator):
         def watch():
             deadline = time.time() + 60
             while time.time() < deadline:
-                built = opt._state is not None  # pylint: disable=protected-access
+                built = opt._journal is not None  # made last  # pylint: disable=protected-access
                 if built and int(opt.micro_steps.numpy()) >= 10:
                     _kill_and_restart_worker(1)
                     kills.append(time.time())
@@ -179,6 +184,49 @@ def killed(strategy, coordinator):
     finally:
         _stop_workers()
     return dict(result, kills=len(kills))
+
+
+def killed_in_close(strategy, coordinator):
+    """"killed", but each window's update is slow (a busy loop inside the
+    inner optimizer's learning rate, under the mutex), and worker 1 is
+    killed (and started again) whenever the journal says a window is being
+    applied, 3 times (the holder may be either worker: whether an update is
+    cut off in the middle, `interrupted_updates`, varies from run to run)."""
+    import threading  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    import tf_keras  # noqa: PLC0415
+
+    class SlowRate(tf_keras.optimizers.schedules.LearningRateSchedule):
+        def __call__(self, step):
+            return 0.05 + 0.0 * _busy(20_000) + 0.0 * tf.cast(step, tf.float32)
+
+        def get_config(self):
+            return {}
+
+    kills = []
+
+    def kill_while_applying(opt):
+        def watch():
+            deadline = time.time() + 90
+            while time.time() < deadline and len(kills) < 3:
+                journal = opt._journal  # made last  # pylint: disable=protected-access
+                if journal is not None and int(journal.variable.numpy()[0]) == 2:
+                    _kill_and_restart_worker(1)
+                    kills.append(time.time())
+                    time.sleep(6)  # until the new worker serves again
+                time.sleep(0.005)
+        threading.Thread(target=watch, daemon=True).start()
+
+    try:
+        result = fit(strategy, coordinator, kill_while_applying, KILLED_IN_CLOSE_STEPS,
+                     learning_rate=SlowRate())
+    finally:
+        _stop_workers()
+    return dict(result, kills=len(kills))
+
+
+KILLED_IN_CLOSE_STEPS = 120
 
 
 def _busy(seconds_of_work):
@@ -260,9 +308,10 @@ if __name__ == "__main__":
     if sys.argv[1] == "serve":
         serve(*sys.argv[2:])
     out, scenario = sys.argv[1], sys.argv[2]
-    strategy, coordinator = make_cluster(elsewhere=(1,) if scenario == "killed" else ())
-    result = {"fit": fit, "stale": stale, "accumulator": accumulator, "killed": killed}[
-        scenario](strategy, coordinator)
+    strategy, coordinator = make_cluster(
+        elsewhere=(1,) if scenario.startswith("killed") else ())
+    result = {"fit": fit, "stale": stale, "accumulator": accumulator, "killed": killed,
+              "killed_in_close": killed_in_close}[scenario](strategy, coordinator)
     with open(os.path.join(out, f"{scenario}.json"), "w") as f:
         json.dump(result, f)
     sys.stdout.flush()

@@ -131,8 +131,9 @@ class GradientAccumulator(Wrapper):
     reduction happens when the window closes. Under ``ParameterServerStrategy``
     (tf_keras) the window lives on the parameter servers, each micro-step
     holds a mutex there (while the workers live, every window takes exactly
-    ``steps`` accepted micro-steps; a worker's death makes its step
-    at-least-once, docs/distributed.md) and, under ``fit``, a gradient
+    ``steps`` accepted micro-steps; a micro-step a dying worker cuts off is
+    rolled back and its window dropped and counted in ``lost_micro_steps``,
+    and a re-run step may count twice: docs/distributed.md) and, under ``fit``, a gradient
     computed against weights that another worker's window has since updated
     is dropped as stale.
 
@@ -190,6 +191,27 @@ class GradientAccumulator(Wrapper):
     def _on_epoch_end(self):
         self.end_epoch()
         self._report_nonfinite()
+        self._report_torn()
+
+    _torn_said = (0, 0)
+
+    def _report_torn(self):
+        """Under ParameterServerStrategy, after each epoch: says what workers
+        that died inside a micro-step cost, since the last time it said so."""
+        if self._journal is None:
+            return
+        said = self._torn_said
+        lost, interrupted = int(self.lost_micro_steps), int(self.interrupted_updates)
+        self._torn_said = (lost, interrupted)
+        if lost > said[0] or interrupted > said[1]:
+            warnings.warn(
+                f"{type(self).__name__}: a worker died inside a micro-step; its window "
+                f"was dropped whole ({lost - said[0]} accepted micro-batch(es) not "
+                f"applied, `lost_micro_steps`), and {interrupted - said[1]} window "
+                "update(s) were cut off while the inner optimizer wrote them "
+                "(`interrupted_updates`: the weights may hold part of that update; "
+                "restore the last checkpoint if that matters). docs/distributed.md.",
+                UserWarning, stacklevel=2)
 
     def _report_nonfinite(self):
         """Under ``fit``, after each epoch: says how many windows
@@ -252,9 +274,37 @@ class GradientAccumulator(Wrapper):
             # the updates whose writes are done (`core.exclusive`).
             self._version = make_scalar(tf.int64, "version", False)
             self._mutex = exclusive.new_mutex(self._state.micro_step.device)
+            # A worker that dies inside a micro-step leaves it half written:
+            # the next one restores the counters from the journal and drops
+            # the open window (`_on_torn`). Made after `version`, so that the
+            # checkpoint keys of the variables above keep their places (a
+            # checkpoint without these restores zeros: nothing torn).
+            self._lost = make_scalar(tf.int64, "lost_micro_steps", False)
+            self._interrupted = make_scalar(tf.int64, "interrupted_updates", False)
+            counters = [self._state.micro_step, self._state.window, self._micro_steps,
+                        self._dropped, self._skipped, self._version, self._lost,
+                        self._interrupted]
+            self._journal = exclusive.Journal(
+                self._new_variable((1 + len(counters),), tf.int64, "journal",
+                                   sync="first"), counters, self._on_torn)
 
     _version = None
     _mutex = None
+    _journal = None
+    _lost = None
+    _interrupted = None
+    _APPLYING = 2  # the journal's phase while the inner optimizer applies a window
+
+    def _on_torn(self, phase):
+        """After a worker died inside a micro-step (the counters are restored
+        as they were before it): its window's sums may hold part of a
+        micro-batch, so the window is dropped whole and its micro-steps
+        counted in `lost_micro_steps`; if the worker died while applying a
+        window, `interrupted_updates` counts that update (which may be written
+        in part)."""
+        self._lost.assign_add(self._state.micro_step.read_value())
+        self._interrupted.assign_add(tf.cast(phase >= self._APPLYING, tf.int64))
+        accumulation.start_next_window(self._state, tf.constant(True))
 
     def _wrap_train_step(self, step, model):
         """Under a parameter-server strategy, reads `version` before the
@@ -313,7 +363,8 @@ class GradientAccumulator(Wrapper):
             weight, count = self._micro_batch_weight(sample_count)
             accept = True
             if local_step is not None:
-                accept = tf.cast(local_step, tf.int64) >= tf.cast(self.version, tf.int64)
+                version = self.iterations if self._version is None else self._version
+                accept = tf.cast(local_step, tf.int64) >= tf.cast(version, tf.int64)
             if finite is not True:
                 accept = tf.logical_and(accept, finite)
             distributed_window.micro_step(
@@ -328,7 +379,7 @@ class GradientAccumulator(Wrapper):
         # window's mutex; elsewhere it runs as is. Under nonfinite="raise"
         # nothing is written before every check passed.
         with tf.control_dependencies(checked):
-            exclusive.run_exclusive(self._mutex, micro, after=grads)
+            exclusive.run_exclusive(self._mutex, micro, after=grads, journal=self._journal)
 
     def _micro_batch_weight(self, sample_count):
         """``(weight, count)``: what this micro-batch's gradient is multiplied
@@ -446,7 +497,9 @@ class GradientAccumulator(Wrapper):
         apply = lambda: self._inner_apply([g for g, _ in pairs], [v for _, v in pairs])  # noqa: E731
         if self._version is None:
             apply()
-        else:  # published once the update's writes are done
+            return
+        with tf.control_dependencies([self._journal.mark(self._APPLYING)]):
+            # published once the update's writes are done
             exclusive.after_writes(apply, lambda: self._version.assign_add(1))
 
     def _skip_window(self, total_weight, has_grad):
@@ -479,7 +532,7 @@ class GradientAccumulator(Wrapper):
 
     def _discard_in_replica(self):
         exclusive.run_exclusive(self._mutex, lambda: accumulation.start_next_window(
-            self._state, tf.constant(True)))
+            self._state, tf.constant(True)), journal=self._journal)
 
     def _flush_in_replica(self):
         has_grad = list(self._with_gradient or [True] * len(self._trainable_variables))
@@ -488,7 +541,7 @@ class GradientAccumulator(Wrapper):
             steps=self.steps, force=True,
             apply_window=lambda total: self._apply_window(total, has_grad),
             skip_window=lambda total: self._skip_window(total, has_grad),
-            count_dropped=None))
+            count_dropped=None), journal=self._journal)
 
     def _run_in_replicas(self, fn):
         """Runs ``fn`` once per replica, from wherever the caller stands.
@@ -520,7 +573,12 @@ class GradientAccumulator(Wrapper):
 
     # -------------------------------------------------------------- reporting
     def _counter(self, name):
-        return tf.constant(0, tf.int64) if self._state is None else getattr(self, name)
+        variable = None if self._state is None else getattr(self, name)
+        if variable is None:
+            return tf.constant(0, tf.int64)
+        # Under ParameterServerStrategy: as the journal holds them while a
+        # micro-step is under way or was cut off (all agree), else as written.
+        return variable if self._journal is None else self._journal.snapshot(variable)
 
     micro_steps = property(lambda self: self._counter("_micro_steps"), doc=(
         "Micro-batches accepted so far (all windows; 0 before the first)."))
@@ -539,6 +597,14 @@ class GradientAccumulator(Wrapper):
         return self.iterations if self._version is None else self._version
     skipped_windows = property(lambda self: self._counter("_skipped"), doc=(
         "Windows discarded because a micro-batch had a NaN or Inf."))
+    lost_micro_steps = property(lambda self: self._counter("_lost"), doc=(
+        "Under ParameterServerStrategy: accepted micro-batches never applied, "
+        "because a worker died inside a later micro-step of their window (the "
+        "window is dropped whole; docs/distributed.md). 0 elsewhere."))
+    interrupted_updates = property(lambda self: self._counter("_interrupted"), doc=(
+        "Under ParameterServerStrategy: window updates a dying worker cut off "
+        "while the inner optimizer wrote them (written in part, or whole, or "
+        "not at all; restore a checkpoint). 0 elsewhere."))
 
     @property
     def _window_micro_step(self):

@@ -182,3 +182,35 @@ class Wrapper:
         return cls._deserialize_optimizer(config.pop("optimizer"),
                                           custom_objects=custom_objects)
 
+
+def _inner_only(attribute):
+    """A setting of Keras's base optimizer that only the inner optimizer
+    applies, at the real update (weight decay, EMA). The wrapper keeps what
+    Keras's base ``__init__`` sets (its defaults: the wrapper itself decays
+    and averages nothing); setting another value on the wrapper afterwards is
+    refused, naming where to set it (it used to be ignored without a word)."""
+    slot = f"_base_{attribute}"
+
+    def get(self):
+        return vars(self).get(slot)
+
+    def set_(self, value):
+        if vars(self).get("inner_optimizer") is None or value == vars(self).get(slot):
+            vars(self)[slot] = value  # Keras's base __init__, or no change
+            return
+        raise ValueError(
+            f"{type(self).__name__}: `{attribute}` is applied by the inner optimizer "
+            f"at the real update, not by the wrapper; setting it on the wrapper would "
+            f"change nothing. Received: {attribute}={value!r}. Set it on the inner "
+            f"optimizer: `optimizer.inner_optimizer.{attribute} = {value!r}`, or pass "
+            "it to the inner optimizer's constructor (EMA settings: before its first "
+            "step).")
+
+    return property(get, set_, doc=f"Keras's default ``{attribute}`` (set it on the "
+                                   "inner optimizer).")
+
+
+# Set on the class here, at the end of the module (they need `_inner_only`).
+for _attribute in ("weight_decay", "use_ema", "ema_momentum", "ema_overwrite_frequency"):
+    setattr(Wrapper, _attribute, _inner_only(_attribute))
+del _attribute
