@@ -18,6 +18,7 @@ from typing import NamedTuple, Optional
 
 import tensorflow as tf
 
+from tf_gradkit.core import spd
 from tf_gradkit.core.lm import damping as damping_lib
 from tf_gradkit.core.lm import robust as robust_lib
 
@@ -188,6 +189,51 @@ class BatchedQR:
         return step, _all_finite(step)
 
 
+# Up to this many parameters the Cholesky solve is unrolled under XLA: P^3/6
+# elementwise operations on [B] vectors, which XLA fuses, where its own
+# batched Cholesky expansion runs a loop over small matrices (measured on the
+# 2-D Gaussian, P = 5: see docs/batched_fits.md). Outside XLA the library
+# kernels run, as `least_squares`'s (`spd.solve`).
+UNROLL_MAX_PARAMS = 16
+
+
+def unrolled_cholesky_solve(a, rhs):
+    """Solves ``a x = rhs`` per problem (``a`` [B, P, P] positive definite,
+    ``rhs`` [B, P]) by a Cholesky factorisation unrolled over the P columns:
+    ``(x, ok)``."""
+    p = a.shape[-1]
+    entries = [[a[:, i, j] for j in range(p)] for i in range(p)]
+    low = [[None] * p for _ in range(p)]
+    ok = tf.ones_like(a[:, 0, 0], tf.bool)
+    for j in range(p):
+        s = entries[j][j]
+        for k in range(j):
+            s = s - low[j][k] * low[j][k]
+        ok = ok & (s > 0)
+        d = tf.sqrt(tf.where(s > 0, s, tf.ones_like(s)))
+        low[j][j] = d
+        for i in range(j + 1, p):
+            t = entries[i][j]
+            for k in range(j):
+                t = t - low[i][k] * low[j][k]
+            low[i][j] = t / d
+    z = []
+    for i in range(p):
+        t = rhs[:, i]
+        for k in range(i):
+            t = t - low[i][k] * z[k]
+        z.append(t / low[i][i])
+    x = [None] * p
+    for i in reversed(range(p)):
+        t = z[i]
+        for k in range(i + 1, p):
+            t = t - low[k][i] * x[k]
+        x[i] = t / low[i][i]
+    x = tf.stack(x, axis=-1)
+    ok = ok & _all_finite(x)
+    return tf.where(ok[:, None], x, tf.zeros_like(x)), ok
+
+
 class BatchedCholesky:
     """`linear_solvers.Cholesky` per problem: ``J^T J + lambda D^2`` factored."""
 
@@ -195,6 +241,8 @@ class BatchedCholesky:
 
     def solve(self, lin, damping, d2):
         a = lin.jtj + tf.linalg.diag(damping[:, None] * d2)
+        if a.shape[-1] <= UNROLL_MAX_PARAMS and spd._in_xla():
+            return unrolled_cholesky_solve(a, -lin.jtr)
         chol = tf.linalg.cholesky(a)
         ok = (tf.reduce_all(tf.math.is_finite(chol), axis=[-2, -1])
               & tf.reduce_all(tf.linalg.diag_part(chol) > 0, axis=-1))
