@@ -44,19 +44,20 @@ def norm(a):
 
 
 def jacobian(residual_fn, x):
-    """``(residual_fn(x), J)``: ``[B, N]`` and ``[B, N, P]`` by forward mode,
-    one JVP per parameter column for the whole batch at once."""
+    """``(residual_fn(x), J)``: ``[B, N]`` and ``[B, N, P]`` by forward mode:
+    one JVP per parameter column for the whole batch at once, the P columns
+    vectorised (`tf.vectorized_map`: the residuals themselves are computed
+    once, only the tangents P times)."""
     p = x.shape[-1]
-    columns = []
-    residuals = None
-    for j in range(p):
-        tangent = tf.broadcast_to(tf.one_hot(j, p, dtype=x.dtype), tf.shape(x))
+
+    def column(direction):
+        tangent = tf.broadcast_to(direction, tf.shape(x))
         with tf.autodiff.ForwardAccumulator(x, tangent) as acc:
             r = residual_fn(x)
-        if residuals is None:
-            residuals = r
-        columns.append(acc.jvp(r, unconnected_gradients=tf.UnconnectedGradients.ZERO))
-    return residuals, tf.stack(columns, axis=-1)
+        return acc.jvp(r, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+    columns = tf.vectorized_map(column, tf.eye(p, dtype=x.dtype))
+    return residual_fn(x), tf.transpose(columns, [1, 2, 0])
 
 
 def normal_equations(jac, residuals):
