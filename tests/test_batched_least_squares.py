@@ -174,9 +174,11 @@ def test_robust_losses_and_restarts_match_single_solves(loss):
 
 @pytest.mark.slow
 def test_float32_matches_single_solves():
-    """float32: the same stop reasons; the solutions agree to what float32
+    """float32: the same verdicts; the solutions agree to what float32
     resolves at a nonzero-residual minimum (the cost is flat to eps there,
-    so x only to about sqrt(eps32) = 3e-4 relative)."""
+    so x only to about sqrt(eps32) = 3e-4 relative). The stop reasons are
+    not compared: in float32 the gradient and step tests sit at round-off
+    (one problem stops on the gradient alone and on the step batched)."""
     t, y, sigma, mask, p0, lengths = problems(6, 20, seed=2, dtype=np.float32,
                                               ragged=False)
     tolerances = dict(ftol=1e-5, xtol=1e-5, gtol=1e-5)
@@ -187,7 +189,7 @@ def test_float32_matches_single_solves():
         n = lengths[b]
         ref = single(decay, t[b, :n], y[b, :n], np.ones(n, np.float32), p0[b],
                      dtype=tf.float32, solver="cholesky", **tolerances)
-        assert int(fit.status[b]) == int(ref.reason_code)
+        assert bool(fit.converged[b]) == bool(ref.converged)
         np.testing.assert_allclose(fit.x[b].numpy(), ref.x.numpy(), rtol=1e-3,
                                    atol=3e-4)
 

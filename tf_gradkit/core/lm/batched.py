@@ -54,8 +54,9 @@ class BatchedSolution(NamedTuple):
     stationarity: tf.Tensor  # [B]
     grad: tf.Tensor          # [B, P]
     active_mask: tf.Tensor   # [B, P] int64
-    fun: tf.Tensor           # [B, N] the residuals at x
-    jac: tf.Tensor           # [B, N, P] (robust-scaled as scipy's)
+    factor: tf.Tensor        # [B, P, P] R of a QR of jac (for the covariance)
+    fun: tf.Tensor = None    # [B, N] the residuals at x (full_output)
+    jac: tf.Tensor = None    # [B, N, P] robust-scaled as scipy's (full_output)
 
 
 class _Run(NamedTuple):
@@ -67,7 +68,7 @@ class _Run(NamedTuple):
     stationarity: tf.Tensor
 
 
-def solve(residual_fn, x0, options, counts, box=None):
+def solve(residual_fn, x0, options, counts, box=None, full_output=False):
     """Solves the B problems ``min 0.5 sum rho(residual_fn(x)[b]^2)``.
 
     Args:
@@ -77,6 +78,8 @@ def solve(residual_fn, x0, options, counts, box=None):
       options: `BatchedOptions`.
       counts: ``[B]`` each problem's number of (unmasked) residuals.
       box: optional `batched_parts.BatchedBounds`.
+      full_output: also return the residuals and the Jacobian at the
+        solutions.
 
     Returns:
       `BatchedSolution`.
@@ -131,7 +134,9 @@ def solve(residual_fn, x0, options, counts, box=None):
         x=x, cost=final.cost, iterations=out.iterations, status=out.status,
         damping=out.damping, optimality=tf.reduce_max(tf.abs(scaled), axis=-1),
         stationarity=out.stationarity, grad=final.jtr, active_mask=mask,
-        fun=residual_fn(x), jac=final.jacobian)
+        factor=parts.triangular_factor(final.jacobian),
+        fun=residual_fn(x) if full_output else None,
+        jac=final.jacobian if full_output else None)
 
 
 def _run(residual_fn, cost_fn, robust, held, box, x0, start_code, start_cost,

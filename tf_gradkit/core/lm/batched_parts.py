@@ -235,6 +235,49 @@ def unrolled_cholesky_solve(a, rhs):
     return tf.where(ok[:, None], x, tf.zeros_like(x)), ok
 
 
+def unrolled_qr(a, rhs=None):
+    """Householder QR per problem, unrolled over the P columns (for XLA, as
+    `unrolled_cholesky_solve`): ``a`` [B, M, P] -> ``R`` [B, P, P] (upper
+    triangular) and, with ``rhs`` [B, M], ``Q^T rhs`` [B, P]. (As the damped
+    solve it measured no faster than XLA's own QR, both far slower than the
+    Cholesky solve on the 2-D Gaussian; it factors the final Jacobian for
+    the covariance.)"""
+    p = a.shape[-1]
+    tails = [a[:, :, j] for j in range(p)]
+    rows = [[None] * p for _ in range(p)]
+    qtb = []
+    for j in range(p):
+        x = tails[j]
+        x_norm = norm(x)
+        head = x[:, 0]
+        alpha = -tf.where(head >= 0, tf.ones_like(head), -tf.ones_like(head)) * x_norm
+        v = tf.concat([(head - alpha)[:, None], x[:, 1:]], axis=-1)
+        v2 = dot(v, v)
+        beta = tf.where(v2 > 0, 2.0 / tf.where(v2 > 0, v2, tf.ones_like(v2)),
+                        tf.zeros_like(v2))
+        rows[j][j] = alpha
+        for k in range(j + 1, p):
+            c = tails[k] - (beta * dot(v, tails[k]))[:, None] * v
+            rows[j][k] = c[:, 0]
+            tails[k] = c[:, 1:]
+        if rhs is not None:
+            c = rhs - (beta * dot(v, rhs))[:, None] * v
+            qtb.append(c[:, 0])
+            rhs = c[:, 1:]
+        for i in range(j):
+            rows[j][i] = tf.zeros_like(alpha)
+    r = tf.stack([tf.stack(row, axis=-1) for row in rows], axis=-2)
+    return r, (tf.stack(qtb, axis=-1) if rhs is not None else None)
+
+
+def triangular_factor(jac):
+    """``R`` [B, P, P] of a QR of ``jac`` [B, N, P] (its singular values and
+    right vectors are ``jac``'s: `covariance` needs only this)."""
+    if jac.shape[-1] <= UNROLL_MAX_PARAMS and spd._in_xla():
+        return unrolled_qr(jac)[0]
+    return tf.linalg.qr(jac)[1]
+
+
 class BatchedCholesky:
     """`linear_solvers.Cholesky` per problem: ``J^T J + lambda D^2`` factored."""
 
@@ -361,16 +404,16 @@ def column_norms(lin):
     return tf.sqrt(tf.maximum(tf.linalg.diag_part(lin.jtj), 0.0))
 
 
-def covariance(jac, cost, counts, absolute):
+def covariance(r, cost, counts, absolute):
     """``curve_fit``'s ``pcov`` per problem (`least_squares.covariance`):
     the pseudo-inverse of ``J^T J`` from the singular values of ``J`` (those
     below ``eps * max(n, P) * s_max`` dropped), times ``2 cost / (n - P)``
     unless ``absolute`` (``absolute_sigma=True``); ``n`` each problem's
-    unmasked point count. Outside XLA: a QR of J, then an SVD of its P x P
-    factor (the same singular values and right vectors)."""
-    dtype = jac.dtype
-    p = jac.shape[-1]
-    _, r = tf.linalg.qr(jac)
+    unmasked point count. From ``r`` [B, P, P], the triangular factor of a
+    QR of J (`triangular_factor`: the same singular values and right
+    vectors), by an SVD outside XLA."""
+    dtype = r.dtype
+    p = r.shape[-1]
     s, _, v = tf.linalg.svd(r)
     eps = tf.experimental.numpy.finfo(dtype.as_numpy_dtype).eps
     kept = s > eps * tf.maximum(counts, float(p))[:, None] * s[:, :1]

@@ -286,10 +286,10 @@ _RESIDUALS = {"fun": _fun_residuals, "curve": _curve_residuals}
 _COMPILED = collections.OrderedDict()
 
 
-def _compiled(kind, fn, options, key, jit_compile):
+def _compiled(kind, fn, options, key, jit_compile, full_output):
     """The chunk solve for ``fn`` and these options, built once (the
     tf.function keeps one trace per chunk shape and dtype)."""
-    cache_key = (kind, fn, key, jit_compile)
+    cache_key = (kind, fn, key, jit_compile, full_output)
     try:
         found = _COMPILED.pop(cache_key)
     except (KeyError, TypeError):
@@ -304,9 +304,10 @@ def _compiled(kind, fn, options, key, jit_compile):
                 counts = tf.fill([x0.shape[0]], tf.constant(float(n), x0.dtype))
             else:
                 counts = tf.reduce_sum(tf.cast(mask, x0.dtype), axis=1)
-            return batched.solve(residual_fn, x0, options, counts, box), counts
+            return batched.solve(residual_fn, x0, options, counts, box,
+                                 full_output), counts
 
-        found = tf.function(chunk, jit_compile=jit_compile)
+        found = tf.function(chunk, jit_compile=jit_compile, autograph=False)
     try:
         _COMPILED[cache_key] = found
         while len(_COMPILED) > _CACHE_SIZE:
@@ -336,7 +337,7 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
     if batch_size is None:
         batch_size = max(1, CHUNK_ELEMENTS // max(n_points * p, 1))
     size = int(min(batch_size, batch))
-    solve = _compiled(kind, fn, options, key, jit_compile)
+    solve = _compiled(kind, fn, options, key, jit_compile, full_output)
     outputs = []
     for start in range(0, batch, size):
         stop = min(start + size, batch)
@@ -349,14 +350,12 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
             None if mask is None else take(mask),
             None if lower is None else take(lower),
             None if upper is None else take(upper))
-        finite = tf.reduce_all(tf.math.is_finite(out.jac), axis=[1, 2])
+        finite = tf.reduce_all(tf.math.is_finite(out.factor), axis=[1, 2])
         cov = batched_parts.covariance(
-            tf.where(finite[:, None, None], out.jac, tf.zeros_like(out.jac)),
+            tf.where(finite[:, None, None], out.factor, tf.zeros_like(out.factor)),
             out.cost, counts, absolute)
         cov = tf.where(finite[:, None, None], cov, tf.constant(np.nan, dtype))
         keep = stop - start
-        out = out._replace(fun=out.fun if full_output else None,
-                           jac=out.jac if full_output else None)
         outputs.append(tf.nest.map_structure(
             lambda t, keep=keep: None if t is None else t[:keep], (out, cov)))
     solutions = [o[0] for o in outputs]
