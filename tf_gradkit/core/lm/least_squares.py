@@ -17,6 +17,7 @@ from tf_gradkit.core.lm import linearize as lin_lib
 from tf_gradkit.core.lm import linear_solvers as solvers_lib
 from tf_gradkit.core.lm.parts import check_parts, resolve_part
 from tf_gradkit.core.lm.robust import RobustLoss
+from tf_gradkit.core.lm import solve_cache
 from tf_gradkit.core.lm import step as step_lib
 
 REASONS = ("running", "gradient tolerance", "step tolerance", "cost tolerance",
@@ -110,7 +111,7 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                   controller="trust_region", scaling=None, solver="qr",
                   max_attempts=10, gtol=None, xtol=None, ftol=None,
                   bounds=None, loss="linear", f_scale=1.0, x_scale=None,
-                  geodesic_acceleration=False, jit_compile=True):
+                  geodesic_acceleration=False, jit_compile=True, cache=True):
     """Solves a nonlinear least-squares problem by Levenberg-Marquardt.
 
     Args:
@@ -252,160 +253,186 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         box = bounds_lib.Bounds.from_argument(bounds, var_list, dtype)
         if tf.executing_eagerly():
             box.check_feasible(lin_lib.flatten(var_list, dtype).numpy())
-    step_fn = residual_fn if robust.is_linear else robust.scaled(residual_fn, dtype)
 
-    def cost_fn():
-        r = tf.cast(tf.reshape(residual_fn(), [-1]), dtype)
-        if robust.is_linear:
-            return 0.5 * tf.reduce_sum(tf.square(r))
-        return robust.cost(r)
+    def build(gtol, xtol, ftol, box):
+        """The whole solve, tolerances and box as tensors."""
+        step_fn = residual_fn if robust.is_linear else robust.scaled(residual_fn, dtype)
 
-    def linearize(form=solver.consumes):
-        lin = lin_lib.linearize_as(form, step_fn, var_list, dtype)
-        return lin if robust.is_linear else lin._replace(cost=cost_fn())
+        def cost_fn():
+            r = tf.cast(tf.reshape(residual_fn(), [-1]), dtype)
+            if robust.is_linear:
+                return 0.5 * tf.reduce_sum(tf.square(r))
+            return robust.cost(r)
 
-    def held(lin):
-        """``lin`` with the parameters held on a bound frozen."""
-        if box is None:
-            return lin
-        x = lin_lib.flatten(var_list, dtype)
-        return bounds_lib.freeze(lin, box.frozen(x, lin.jtr))
+        def linearize(form=solver.consumes):
+            lin = lin_lib.linearize_as(form, step_fn, var_list, dtype)
+            return lin if robust.is_linear else lin._replace(cost=cost_fn())
 
-    phases = (scaling.phases(controller) if callable(getattr(scaling, "phases", None))
-              else [(scaling, controller)])
+        def held(lin):
+            """``lin`` with the parameters held on a bound frozen."""
+            if box is None:
+                return lin
+            x = lin_lib.flatten(var_list, dtype)
+            return bounds_lib.freeze(lin, box.frozen(x, lin.jtr))
 
-    def assign(flat):
-        for v, value in zip(var_list, lin_lib.unflatten(flat, var_list)):
-            v.assign(value)
+        phases = (scaling.phases(controller) if callable(getattr(scaling, "phases", None))
+                  else [(scaling, controller)])
 
-    matrix_free = solver.consumes == solvers_lib.MATRIX_FREE
+        def assign(flat):
+            for v, value in zip(var_list, lin_lib.unflatten(flat, var_list)):
+                v.assign(value)
 
-    def run(scaling, controller, start_cost):
-        """One whole solve from the variables' values: ``((iterations, stop
-        code, damping, final cost, stationarity), final linearisation)``; the
-        variables end at its solution."""
+        matrix_free = solver.consumes == solvers_lib.MATRIX_FREE
 
-        def column_norms(lin):
-            if lin.jtj is None:
-                return tf.zeros_like(lin.jtr)
-            return tf.sqrt(tf.maximum(tf.linalg.diag_part(lin.jtj), 0.0))
+        def run(scaling, controller, start_cost):
+            """One whole solve from the variables' values: ``((iterations, stop
+            code, damping, final cost, stationarity), final linearisation)``; the
+            variables end at its solution."""
 
-        def body(it, reason, state, cost, largest):
-            del cost
-            lin = held(linearize())
-            largest = tf.maximum(largest, column_norms(lin))
-            grad_small = tf.reduce_max(tf.abs(lin.jtr)) <= gtol * tf.maximum(
-                lin.cost, 1.0)
+            def column_norms(lin):
+                if lin.jtj is None:
+                    return tf.zeros_like(lin.jtr)
+                return tf.sqrt(tf.maximum(tf.linalg.diag_part(lin.jtj), 0.0))
 
-            def take_step():
-                new_state, info = step_lib.levenberg_marquardt_step(
-                    lin, cost_fn, var_list, state, controller=controller,
-                    scaling=scaling, solver=solver, max_attempts=max_attempts,
-                    geodesic=geodesic, bounds=box)
-                x_norm = tf.norm(lin_lib.flatten(var_list, dtype))
-                small_step = info.accepted & (info.step_norm <= xtol * (xtol + x_norm))
-                small_drop = info.accepted & (
-                    info.cost - info.new_cost <= ftol * info.cost)
-                # Every attempt rejected: converged at round-off if the model
-                # promises no real decrease, or if even the least damped step
-                # moves x by less than sqrt(eps) (the cost cannot resolve it);
-                # given up if the most damped step is that small too.
-                # Otherwise go on: the next iteration starts from the damping
-                # (or trust radius) the rejections left.
-                stalled = ~info.accepted
-                resolution = tf.sqrt(tf.constant(eps, dtype)) * (1e-8 + x_norm)
-                flat = stalled & (info.predicted <= ftol * info.cost)
-                tiny = stalled & (info.first_step_norm <= resolution)
-                exhausted = stalled & (info.last_step_norm <= resolution)
-                code = tf.where(
-                    flat, 3, tf.where(tiny, 2, tf.where(
-                        exhausted, 5,
-                        tf.where(small_step, 2, tf.where(small_drop, 3, 0)))))
-                return new_state, info.new_cost, code
+            def body(it, reason, state, cost, largest):
+                del cost
+                lin = held(linearize())
+                largest = tf.maximum(largest, column_norms(lin))
+                grad_small = tf.reduce_max(tf.abs(lin.jtr)) <= gtol * tf.maximum(
+                    lin.cost, 1.0)
 
-            new_state, new_cost, code = tf.cond(
-                grad_small, lambda: (state, lin.cost, tf.constant(1)), take_step)
-            return it + 1, code, new_state, new_cost, largest
+                def take_step():
+                    new_state, info = step_lib.levenberg_marquardt_step(
+                        lin, cost_fn, var_list, state, controller=controller,
+                        scaling=scaling, solver=solver, max_attempts=max_attempts,
+                        geodesic=geodesic, bounds=box)
+                    x_norm = tf.norm(lin_lib.flatten(var_list, dtype))
+                    small_step = info.accepted & (info.step_norm <= xtol * (xtol + x_norm))
+                    small_drop = info.accepted & (
+                        info.cost - info.new_cost <= ftol * info.cost)
+                    # Every attempt rejected: converged at round-off if the model
+                    # promises no real decrease, or if even the least damped step
+                    # moves x by less than sqrt(eps) (the cost cannot resolve it);
+                    # given up if the most damped step is that small too.
+                    # Otherwise go on: the next iteration starts from the damping
+                    # (or trust radius) the rejections left.
+                    stalled = ~info.accepted
+                    resolution = tf.sqrt(tf.constant(eps, dtype)) * (1e-8 + x_norm)
+                    flat = stalled & (info.predicted <= ftol * info.cost)
+                    tiny = stalled & (info.first_step_norm <= resolution)
+                    exhausted = stalled & (info.last_step_norm <= resolution)
+                    code = tf.where(
+                        flat, 3, tf.where(tiny, 2, tf.where(
+                            exhausted, 5,
+                            tf.where(small_step, 2, tf.where(small_drop, 3, 0)))))
+                    return new_state, info.new_cost, code
 
-        state = step_lib.init_state(controller, scaling, num_params, dtype)
-        # A start with a non-finite parameter or cost is refused eagerly
-        # (`_check_finite_start`, and below for the residuals); in a graph
-        # the solve stops before its first step.
-        x_start = lin_lib.flatten(var_list, dtype)
-        finite = (tf.reduce_all(tf.math.is_finite(x_start))
-                  & tf.math.is_finite(start_cost))
-        it, code, state, _, largest = tf.while_loop(
-            lambda it, reason, *_: (reason == 0) & (it < max_iterations), body,
-            (tf.constant(0), tf.where(finite, 0, NON_FINITE_START), state,
-             tf.constant(0.0, dtype), tf.zeros([num_params], dtype)),
-            maximum_iterations=max_iterations)
-        code = tf.where(code == 0, 4, code)
-        final = linearize(solver.consumes if matrix_free else solvers_lib.JACOBIAN)
-        kept = held(final)
-        now = column_norms(kept)
-        cosine_now, r_norm = _stationarity(kept, now)
-        cosine, _ = _stationarity(kept, tf.maximum(largest, now))
-        # Stationary: the cosine small with the columns' current norms, or,
-        # where a column has shrunk (a minimum where it vanishes while r does
-        # not), small with their largest norms and the gradient small
-        # relative to the cost (Dennis-Schnabel's relative gradient
-        # max_j |g_j| max(|x_j|, 1) / cost <= eps^(1/3)).
-        x_abs = tf.abs(lin_lib.flatten(var_list, dtype))
-        tiny = tf.constant(np.finfo(dtype.as_numpy_dtype).tiny, dtype)
-        relative = tf.reduce_max(tf.abs(kept.jtr) * tf.maximum(x_abs, 1.0)) / (
-            tf.maximum(final.cost, tiny))
-        stationary = ((cosine_now <= STATIONARY_COSINE)
-                      | ((cosine <= STATIONARY_COSINE)
-                         & (relative <= eps ** (1.0 / 3.0))))
-        # Not at round-off: the residuals' largest component along a column
-        # of J, cosine * |r|, above sqrt(eps) (a zero-residual solution has
-        # |r| at round-off, where its direction means nothing), and the cost
-        # not down to eps times its start.
-        along = cosine_now * r_norm
-        far = ((code >= 2) & (code <= 3) & ~stationary
-               & (along > tf.sqrt(tf.constant(eps, dtype)))
-               & (final.cost > eps * start_cost))
-        return (it, tf.where(far, 6, code), state.damping, final.cost, cosine), final
+                new_state, new_cost, code = tf.cond(
+                    grad_small, lambda: (state, lin.cost, tf.constant(1)), take_step)
+                return it + 1, code, new_state, new_cost, largest
 
-    def solve():
-        if box is not None and not tf.executing_eagerly():
-            assign(box.clip(lin_lib.flatten(var_list, dtype)))
-        start_cost = cost_fn()
-        x0 = lin_lib.flatten(var_list, dtype)
-        out, final = run(*phases[0], start_cost)
-        for phase in phases[1:]:
-            # The next phase only where this one ended unconverged (iteration
-            # limit, no acceptable step, stalled far from a minimum); it
-            # starts from x0 again, and the lower cost of the two is kept.
-            def another(first=out, phase=phase):
-                x_first = lin_lib.flatten(var_list, dtype)
-                assign(x0)
-                second, _ = run(*phase, start_cost)
-                cost_first, cost_second = first[3], second[3]
-                better = (cost_second < cost_first) | ~tf.math.is_finite(cost_first)
-                assign(tf.where(better, lin_lib.flatten(var_list, dtype), x_first))
-                kept = tf.nest.map_structure(lambda a, b: tf.where(better, a, b),
-                                             second, first)
-                return (first[0] + second[0],) + tuple(kept[1:])
-
-            out = tf.cond((out[1] >= 4) & (out[1] != NON_FINITE_START), another,
-                          lambda out=out: out)
-        it, code, damping, _, cosine = out
-        if len(phases) > 1:  # the kept phase's point: linearised again there
+            state = step_lib.init_state(controller, scaling, num_params, dtype)
+            # A start with a non-finite parameter or cost is refused eagerly
+            # (`_check_finite_start`, and below for the residuals); in a graph
+            # the solve stops before its first step.
+            x_start = lin_lib.flatten(var_list, dtype)
+            finite = (tf.reduce_all(tf.math.is_finite(x_start))
+                      & tf.math.is_finite(start_cost))
+            it, code, state, _, largest = tf.while_loop(
+                lambda it, reason, *_: (reason == 0) & (it < max_iterations), body,
+                (tf.constant(0), tf.where(finite, 0, NON_FINITE_START), state,
+                 tf.constant(0.0, dtype), tf.zeros([num_params], dtype)),
+                maximum_iterations=max_iterations)
+            code = tf.where(code == 0, 4, code)
             final = linearize(solver.consumes if matrix_free else solvers_lib.JACOBIAN)
-        x = lin_lib.flatten(var_list, dtype)
-        fun = tf.cast(tf.reshape(residual_fn(), [-1]), dtype)
-        mask = (tf.zeros([num_params], tf.int32) if box is None
-                else box.active_mask(x))
-        scaled = final.jtr if box is None else final.jtr * box.coleman_li(x, final.jtr)
-        optimality = tf.reduce_max(tf.abs(scaled))
-        return (it, code, damping, final.cost, optimality, cosine,
-                x, fun, final.jacobian, final.jtr, mask)
+            kept = held(final)
+            now = column_norms(kept)
+            cosine_now, r_norm = _stationarity(kept, now)
+            cosine, _ = _stationarity(kept, tf.maximum(largest, now))
+            # Stationary: the cosine small with the columns' current norms, or,
+            # where a column has shrunk (a minimum where it vanishes while r does
+            # not), small with their largest norms and the gradient small
+            # relative to the cost (Dennis-Schnabel's relative gradient
+            # max_j |g_j| max(|x_j|, 1) / cost <= eps^(1/3)).
+            x_abs = tf.abs(lin_lib.flatten(var_list, dtype))
+            tiny = tf.constant(np.finfo(dtype.as_numpy_dtype).tiny, dtype)
+            relative = tf.reduce_max(tf.abs(kept.jtr) * tf.maximum(x_abs, 1.0)) / (
+                tf.maximum(final.cost, tiny))
+            stationary = ((cosine_now <= STATIONARY_COSINE)
+                          | ((cosine <= STATIONARY_COSINE)
+                             & (relative <= eps ** (1.0 / 3.0))))
+            # Not at round-off: the residuals' largest component along a column
+            # of J, cosine * |r|, above sqrt(eps) (a zero-residual solution has
+            # |r| at round-off, where its direction means nothing), and the cost
+            # not down to eps times its start.
+            along = cosine_now * r_norm
+            far = ((code >= 2) & (code <= 3) & ~stationary
+                   & (along > tf.sqrt(tf.constant(eps, dtype)))
+                   & (final.cost > eps * start_cost))
+            return (it, tf.where(far, 6, code), state.damping, final.cost, cosine), final
 
-    if tf.executing_eagerly():
-        out = tf.function(solve, jit_compile=jit_compile)()
+        def solve():
+            if box is not None and not tf.executing_eagerly():
+                assign(box.clip(lin_lib.flatten(var_list, dtype)))
+            start_cost = cost_fn()
+            x0 = lin_lib.flatten(var_list, dtype)
+            out, final = run(*phases[0], start_cost)
+            for phase in phases[1:]:
+                # The next phase only where this one ended unconverged (iteration
+                # limit, no acceptable step, stalled far from a minimum); it
+                # starts from x0 again, and the lower cost of the two is kept.
+                def another(first=out, phase=phase):
+                    x_first = lin_lib.flatten(var_list, dtype)
+                    assign(x0)
+                    second, _ = run(*phase, start_cost)
+                    cost_first, cost_second = first[3], second[3]
+                    better = (cost_second < cost_first) | ~tf.math.is_finite(cost_first)
+                    assign(tf.where(better, lin_lib.flatten(var_list, dtype), x_first))
+                    kept = tf.nest.map_structure(lambda a, b: tf.where(better, a, b),
+                                                 second, first)
+                    return (first[0] + second[0],) + tuple(kept[1:])
+
+                out = tf.cond((out[1] >= 4) & (out[1] != NON_FINITE_START), another,
+                              lambda out=out: out)
+            it, code, damping, _, cosine = out
+            if len(phases) > 1:  # the kept phase's point: linearised again there
+                final = linearize(solver.consumes if matrix_free else solvers_lib.JACOBIAN)
+            x = lin_lib.flatten(var_list, dtype)
+            fun = tf.cast(tf.reshape(residual_fn(), [-1]), dtype)
+            mask = (tf.zeros([num_params], tf.int32) if box is None
+                    else box.active_mask(x))
+            scaled = final.jtr if box is None else final.jtr * box.coleman_li(x, final.jtr)
+            optimality = tf.reduce_max(tf.abs(scaled))
+            return (it, code, damping, final.cost, optimality, cosine,
+                    x, fun, final.jacobian, final.jtr, mask)
+
+        return solve()
+
+    tolerances = [tf.constant(t, dtype) for t in (gtol, xtol, ftol)]
+    if not tf.executing_eagerly():
+        out = build(*tolerances, box)
     else:
-        out = solve()
+        key = ("least_squares", solve_cache.function_key(residual_fn),
+               solve_cache.variables_key(var_list), max_iterations,
+               solve_cache.part_key(controller), solve_cache.part_key(scaling),
+               solve_cache.part_key(solver), max_attempts, robust.name,
+               robust.f_scale, box is None, geodesic_acceleration,
+               bool(jit_compile), dtype.name)
+        inputs = tolerances + ([] if box is None else [box.lower, box.upper])
+
+        def compile_solve():
+            def traced(gtol, xtol, ftol, *limits):
+                return build(gtol, xtol, ftol,
+                             bounds_lib.Bounds(*limits) if limits else None)
+            return tf.function(
+                traced, jit_compile=jit_compile, reduce_retracing=False,
+                input_signature=[solve_cache.input_spec(t) for t in inputs])
+
+        if cache:
+            function, _ = solve_cache.SOLVES.lookup(key, compile_solve)
+        else:
+            function = compile_solve()
+        out = function(*inputs)
     it, code, damping, cost, optimality, cosine, x, fun, jac, grad, mask = out
     if tf.executing_eagerly() and int(code) == NON_FINITE_START:
         raise ValueError(
