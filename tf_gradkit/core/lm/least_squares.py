@@ -5,6 +5,7 @@ iteration of `step.py` inside one ``tf.while_loop`` (and, by default, one
 XLA compilation): no host round-trip per iteration.
 """
 
+import types
 from typing import NamedTuple
 
 import numpy as np
@@ -27,6 +28,10 @@ REASONS = ("running", "gradient tolerance", "step tolerance", "cost tolerance",
            "non-finite start (the parameters or the residuals at the start are "
            "inf or NaN)")
 NON_FINITE_START = 7
+# jit_compile="auto" compiles with XLA from this many parameters up: below it
+# XLA's compile (seconds) dwarfs a small solve's run (milliseconds), see
+# docs/levenberg_marquardt.md.
+AUTO_XLA_PARAMS = 64
 # A tolerance stop counts as converged only where r is round-off (see
 # `least_squares`) or the gradient is small: the cosine between r and the
 # Jacobian's columns, max_j |J_j.r| / (|J_j| |r|) (MINPACK's gtol measure), at
@@ -111,7 +116,7 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                   controller="trust_region", scaling=None, solver="qr",
                   max_attempts=10, gtol=None, xtol=None, ftol=None,
                   bounds=None, loss="linear", f_scale=1.0, x_scale=None,
-                  geodesic_acceleration=False, jit_compile=True, cache=True):
+                  geodesic_acceleration=False, jit_compile="auto", cache=True):
     """Solves a nonlinear least-squares problem by Levenberg-Marquardt.
 
     Args:
@@ -180,7 +185,20 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         attempt), for curved valleys; off by default because on the NIST set
         it did not reduce iterations (see `geodesic.py`). A float sets the
         largest accepted ``2|a|/|v|`` (default 0.75 when True).
-      jit_compile: compile the whole solve with XLA.
+      jit_compile: True compiles the whole solve with XLA, False runs it as a
+        plain ``tf.function``; "auto" (default): XLA from `AUTO_XLA_PARAMS`
+        parameters up, where the compile (seconds) pays for itself, a plain
+        ``tf.function`` below (a small fit's first call in about a second,
+        a repeated one in milliseconds).
+      cache: reuse the traced solve of an earlier call with the same
+        residual function, variables, shapes, dtypes and options (one call
+        traces, later ones only run; `solve_cache`). The function is keyed
+        with a snapshot of the values its closure and the module globals it
+        names hold, so rebinding one of them traces anew; a change the
+        snapshot cannot see (an attribute of another object the function
+        reads) needs ``cache=False`` or ``solve_cache.SOLVES.clear()``. Data
+        that changes between fits is best held in a ``tf.Variable``: it is
+        read at each run, with no new trace.
 
     Returns:
       A `LeastSquaresResult`.
@@ -231,14 +249,10 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                    and solver.consumes != solvers_lib.MATRIX_FREE else "marquardt")
     scaling = resolve_part(scaling, damping_lib.SCALINGS, "scaling")
     check_parts(scaling, solver, "least_squares")
-    geodesic = None
     if geodesic_acceleration and (bounds is not None or not robust.is_linear):
         raise ValueError("least_squares: `geodesic_acceleration` works on plain "
                          "unbounded least squares only; drop it, or drop `bounds` "
                          "and `loss`.")
-    if geodesic_acceleration:
-        alpha = 0.75 if geodesic_acceleration is True else float(geodesic_acceleration)
-        geodesic = geodesic_lib.GeodesicAcceleration(residual_fn, alpha=alpha)
     dtype = var_list[0].dtype.base_dtype
     eps = float(tf.experimental.numpy.finfo(dtype.as_numpy_dtype).eps)
     _check_tolerances(dict(gtol=gtol, xtol=xtol, ftol=ftol), eps, dtype)
@@ -254,8 +268,20 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         if tf.executing_eagerly():
             box.check_feasible(lin_lib.flatten(var_list, dtype).numpy())
 
-    def build(gtol, xtol, ftol, box):
-        """The whole solve, tolerances and box as tensors."""
+    if jit_compile == "auto":
+        jit_compile = num_params >= AUTO_XLA_PARAMS
+    elif not isinstance(jit_compile, bool):
+        raise ValueError("least_squares: `jit_compile` must be True, False or "
+                         f"'auto'. Received: jit_compile={jit_compile!r}")
+
+    def build(residual_fn, gtol, xtol, ftol, box, with_covariance):
+        """The whole solve: tolerances and box as tensors (inputs of a cached
+        solve), ``residual_fn`` as the trace calls it."""
+        geodesic = None
+        if geodesic_acceleration:
+            alpha = (0.75 if geodesic_acceleration is True
+                     else float(geodesic_acceleration))
+            geodesic = geodesic_lib.GeodesicAcceleration(residual_fn, alpha=alpha)
         step_fn = residual_fn if robust.is_linear else robust.scaled(residual_fn, dtype)
 
         def cost_fn():
@@ -264,9 +290,22 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                 return 0.5 * tf.reduce_sum(tf.square(r))
             return robust.cost(r)
 
-        def linearize(form=solver.consumes):
+        def linearize_here(form):
             lin = lin_lib.linearize_as(form, step_fn, var_list, dtype)
             return lin if robust.is_linear else lin._replace(cost=cost_fn())
+
+        # Each form's linearisation traced once (a function the loop and the
+        # final point both call): the vectorised Jacobian is the largest part
+        # of the trace. A matrix-free one returns a closure: traced inline.
+        linearizers = {}
+
+        def linearize(form=solver.consumes):
+            if form == solvers_lib.MATRIX_FREE:
+                return linearize_here(form)
+            if form not in linearizers:
+                linearizers[form] = tf.function(
+                    lambda: linearize_here(form), autograph=False)
+            return linearizers[form]()
 
         def held(lin):
             """``lin`` with the parameters held on a bound frozen."""
@@ -403,37 +442,34 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                     else box.active_mask(x))
             scaled = final.jtr if box is None else final.jtr * box.coleman_li(x, final.jtr)
             optimality = tf.reduce_max(tf.abs(scaled))
+            cov = (covariance(final.jacobian, final.cost)
+                   if with_covariance and final.jacobian is not None else None)
             return (it, code, damping, final.cost, optimality, cosine,
-                    x, fun, final.jacobian, final.jtr, mask)
+                    x, fun, final.jacobian, final.jtr, mask, cov)
 
         return solve()
 
     tolerances = [tf.constant(t, dtype) for t in (gtol, xtol, ftol)]
     if not tf.executing_eagerly():
-        out = build(*tolerances, box)
+        out = build(residual_fn, *tolerances, box, with_covariance=True)
     else:
-        key = ("least_squares", solve_cache.function_key(residual_fn),
-               solve_cache.variables_key(var_list), max_iterations,
-               solve_cache.part_key(controller), solve_cache.part_key(scaling),
-               solve_cache.part_key(solver), max_attempts, robust.name,
-               robust.f_scale, box is None, geodesic_acceleration,
-               bool(jit_compile), dtype.name)
         inputs = tolerances + ([] if box is None else [box.lower, box.upper])
 
         def compile_solve():
-            def traced(gtol, xtol, ftol, *limits):
-                return build(gtol, xtol, ftol,
-                             bounds_lib.Bounds(*limits) if limits else None)
-            return tf.function(
-                traced, jit_compile=jit_compile, reduce_retracing=False,
-                input_signature=[solve_cache.input_spec(t) for t in inputs])
+            return _compile(build, residual_fn, inputs, jit_compile)
 
         if cache:
-            function, _ = solve_cache.SOLVES.lookup(key, compile_solve)
+            key = ("least_squares", solve_cache.function_key(residual_fn),
+                   solve_cache.variables_key(var_list), max_iterations,
+                   solve_cache.part_key(controller), solve_cache.part_key(scaling),
+                   solve_cache.part_key(solver), max_attempts, robust.name,
+                   robust.f_scale, box is None, geodesic_acceleration,
+                   jit_compile, dtype.name)
+            solve, _ = solve_cache.SOLVES.lookup(key, compile_solve)
         else:
-            function = compile_solve()
-        out = function(*inputs)
-    it, code, damping, cost, optimality, cosine, x, fun, jac, grad, mask = out
+            solve = compile_solve()
+        out = solve(*inputs)
+    it, code, damping, cost, optimality, cosine, x, fun, jac, grad, mask, cov = out
     if tf.executing_eagerly() and int(code) == NON_FINITE_START:
         raise ValueError(
             "least_squares: the residuals of `residual_fn` are not finite at the "
@@ -446,8 +482,46 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                               optimality=optimality, stationarity=cosine,
                               x=x, fun=fun, jac=jac, grad=grad,
                               active_mask=mask,
-                              covariance=None if jac is None
-                              else covariance(jac, cost))
+                              covariance=cov)
+
+
+def _compile(build, residual_fn, inputs, jit_compile):
+    """A ``tf.function`` of the solve over ``inputs`` (tolerances, bounds):
+    the solve's own code is not converted by AutoGraph (its loops are
+    ``tf.while_loop``s already, and conversion doubles the trace's time);
+    ``residual_fn`` is, as a ``tf.function`` would convert it. Under XLA the
+    covariance (an SVD) comes from a second, plain ``tf.function``."""
+    traced_fn = _autograph(residual_fn)
+
+    def solve(gtol, xtol, ftol, *limits):
+        box = bounds_lib.Bounds(*limits) if limits else None
+        return build(traced_fn, gtol, xtol, ftol, box,
+                     with_covariance=not jit_compile)
+
+    compiled = tf.function(solve, jit_compile=jit_compile, autograph=False,
+                           input_signature=[solve_cache.input_spec(t) for t in inputs])
+    if not jit_compile:
+        return compiled
+    pcov = tf.function(covariance, autograph=False)
+
+    def with_covariance(*args):
+        out = compiled(*args)
+        jac, cost = out[8], out[3]
+        return out[:-1] + (None if jac is None else pcov(jac, cost),)
+
+    return with_covariance
+
+
+def _autograph(fn):
+    """``fn`` converted by AutoGraph (Python control flow on tensors), as a
+    ``tf.function`` with ``autograph=True`` would run it; ``fn`` itself
+    where it cannot be converted (a ``tf.function``, no source)."""
+    if isinstance(fn, (types.FunctionType, types.MethodType)):
+        try:
+            return tf.autograph.to_graph(fn)
+        except Exception:  # noqa: BLE001 - as tf.function: run it as it is
+            return fn
+    return fn
 
 
 def covariance(jac, cost):

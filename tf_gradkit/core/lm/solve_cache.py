@@ -8,9 +8,10 @@ inputs (the variables' values, tolerances, bound values) change.
 
 What is in a key (`function_key`, `part_key`, `value_key`, `variables_key`):
 
-- the residual function by identity (a bound method by its function and its
-  object), together with a snapshot of what it reads that a trace would
-  freeze: the values its closure cells hold and the module globals its code
+- the residual function by its code (a bound method by its function and
+  its object), together with a snapshot of what it reads that a trace would
+  freeze (so a new ``lambda`` made by the same line with the same captures,
+  as in a loop, finds the entry): the values its closure cells hold and the module globals its code
   names, recursively through the plain Python functions it calls (three
   levels); for a bound method, its object's attributes (one level). A
   number, a string, a tuple, a list or a dict is compared by value, a NumPy
@@ -158,10 +159,14 @@ def value_key(value, depth=MAX_DEPTH, seen=None):
     module docstring): numbers, strings and containers by value, NumPy
     arrays by bytes, functions by identity plus what they read, anything
     else (tensors, variables, modules, objects) by identity."""
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+    if isinstance(value, float):  # hex: -0.0 and 0.0 differ, NaN equals NaN
+        return (float, value.hex())
+    if isinstance(value, complex):
+        return (complex, value.real.hex(), value.imag.hex())
+    if value is None or isinstance(value, (bool, int, str, bytes)):
         return (type(value), value)
     if isinstance(value, np.generic):
-        return (type(value), value.item())
+        return (type(value), value.tobytes())
     if isinstance(value, np.ndarray):
         data = np.ascontiguousarray(value).tobytes()
         if len(data) > INLINE_BYTES:
@@ -181,7 +186,7 @@ def value_key(value, depth=MAX_DEPTH, seen=None):
 
 
 def function_key(fn, depth=MAX_DEPTH, seen=None):
-    """A hashable token of a residual function: its identity (a bound
+    """A hashable token of a residual function: its code object (a bound
     method's function and object) and the values it reads (closure cells,
     the module globals its code names, a bound method's object's
     attributes), followed through nested Python functions ``depth`` levels.
@@ -201,6 +206,8 @@ def function_key(fn, depth=MAX_DEPTH, seen=None):
     if depth <= 0 or id(fn) in seen:
         return ("function", Identity(fn))
     seen.add(id(fn))
+    if fn.__dict__:  # attributes set on the function: keyed by identity
+        return ("function", Identity(fn))
     cells = []
     for cell in fn.__closure__ or ():
         try:
@@ -213,7 +220,7 @@ def function_key(fn, depth=MAX_DEPTH, seen=None):
     module = fn.__globals__
     read = tuple((name, value_key(module[name], depth - 1, seen))
                  for name in names if name in module)
-    return ("function", Identity(fn), tuple(cells), read,
+    return ("code", Identity(fn.__code__), Identity(module), tuple(cells), read,
             value_key(fn.__defaults__, depth - 1, seen),
             value_key(fn.__kwdefaults__, depth - 1, seen))
 
