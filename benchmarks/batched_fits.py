@@ -262,7 +262,8 @@ def latency(args, rng, rows):
 
 
 def plot(rows, path):
-    from benchmarks import plotting  # noqa: PLC0415
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import plotting  # noqa: PLC0415
     plt = plotting.pyplot()
     if plt is None:
         return
@@ -278,8 +279,8 @@ def plot(rows, path):
     ax.axhline(GPUFIT_GPU, ls=":", color="tab:red", label="Gpufit GPU, published (1e7)")
     ax.set_xlabel("fits per call (B)")
     ax.set_ylabel("fits / s")
-    ax.set_title(f"2-D Gaussian, 15x15, {gauss[0]['dtype']}: {args_device(rows)}",
-                 fontsize=9)
+    ax.set_title(f"2-D Gaussian, 15x15, {gauss[0]['dtype']}, measured on "
+                 f"{args_device(rows)}", fontsize=8)
     ax.legend(fontsize=7)
     plotting.save(fig, path)
 
@@ -302,7 +303,13 @@ def main():
     parser.add_argument("--label", default="", help="where it ran, for the plot")
     parser.add_argument("--plot", default=None, help="docs/ file name of the plot")
     parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--plot-from", default=None,
+                        help="only draw --plot from rows written by --json")
     args = parser.parse_args()
+    if args.plot_from:
+        with open(args.plot_from) as f:
+            plot(json.load(f), args.plot or "batched_fits.png")
+        return
     args.sizes = [int(float(s)) for s in args.sizes.split(",")]
     if args.huge:
         args.sizes.append(1_000_000)

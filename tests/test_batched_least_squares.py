@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tf_gradkit
-from tf_gradkit.core.lm import fitting
+from tf_gradkit.core.lm import fitting, solve_cache
 
 pytestmark = pytest.mark.keras_free
 
@@ -207,12 +207,16 @@ def test_chunks_and_cache():
                                    batch_size=3)
     np.testing.assert_allclose(chunked.x.numpy(), whole.x.numpy(), rtol=1e-12)
     np.testing.assert_array_equal(chunked.status.numpy(), whole.status.numpy())
-    compiled = [fn for key, fn in fitting._COMPILED.items() if key[1] is model]
-    assert len(compiled) == 1
-    traces = compiled[0].experimental_get_tracing_count()
+    hits = solve_cache.SOLVES.info().hits
+    traces = [fn.experimental_get_tracing_count()
+              for fn in solve_cache.SOLVES._entries.values()
+              if hasattr(fn, "experimental_get_tracing_count")]
     again = tf_gradkit.curve_fit(model, t, y + 0.01, p0, mask=mask,
                                  jit_compile=False, batch_size=3)
-    assert compiled[0].experimental_get_tracing_count() == traces
+    assert solve_cache.SOLVES.info().hits == hits + 1
+    assert [fn.experimental_get_tracing_count()
+            for fn in solve_cache.SOLVES._entries.values()
+              if hasattr(fn, "experimental_get_tracing_count")] == traces
     assert again.x.shape == (7, 3)
 
 

@@ -21,8 +21,10 @@ import tensorflow as tf
 
 from tf_gradkit.core.lm import batched_parts as parts
 from tf_gradkit.core.lm import damping as damping_lib
-from tf_gradkit.core.lm.least_squares import (NON_FINITE_START, REASONS,
-                                              STATIONARY_COSINE)
+from tf_gradkit.core.lm.least_squares import REASONS, STATIONARY_COSINE
+from tf_gradkit.core.lm.least_squares import NON_FINITE_START as _NON_FINITE
+
+NON_FINITE_START = int(_NON_FINITE)
 
 INFEASIBLE_START = len(REASONS)
 BATCHED_REASONS = REASONS + (
@@ -98,7 +100,8 @@ def solve(residual_fn, x0, options, counts, box=None, full_output=False):
     start_cost = cost_fn(x0)
     finite = tf.reduce_all(tf.math.is_finite(x0), axis=-1) & tf.math.is_finite(
         start_cost)
-    start = tf.where(finite, tf.constant(0, tf.int64), NON_FINITE_START)
+    start = tf.where(finite, tf.constant(0, tf.int64),
+                     tf.constant(NON_FINITE_START, tf.int64))
     if box is not None:
         start = tf.where(finite & box.infeasible(x0),
                          tf.constant(INFEASIBLE_START, tf.int64), start)

@@ -12,7 +12,6 @@ the chunk's shapes and dtypes), so a repeated call with the same function
 only runs.
 """
 
-import collections
 from typing import NamedTuple
 
 import numpy as np
@@ -21,6 +20,7 @@ import tensorflow as tf
 from tf_gradkit.core.lm import batched
 from tf_gradkit.core.lm import batched_parts
 from tf_gradkit.core.lm import damping as damping_lib
+from tf_gradkit.core.lm import solve_cache
 from tf_gradkit.core.lm.parts import resolve_part
 from tf_gradkit.core.lm.robust import RobustLoss
 
@@ -28,7 +28,6 @@ from tf_gradkit.core.lm.robust import RobustLoss
 # 2**24 is 64 MB in float32; with the QR's copies a chunk needs a few times
 # that, so 10^6 fits of 225 points run in a few GB.
 CHUNK_ELEMENTS = 2 ** 24
-_CACHE_SIZE = 32
 
 
 class BatchedFitResult(NamedTuple):
@@ -283,18 +282,14 @@ def _fun_residuals(fun, per_fit, shared, mask):
 
 
 _RESIDUALS = {"fun": _fun_residuals, "curve": _curve_residuals}
-_COMPILED = collections.OrderedDict()
 
 
 def _compiled(kind, fn, options, key, jit_compile, full_output):
-    """The chunk solve for ``fn`` and these options, built once (the
-    tf.function keeps one trace per chunk shape and dtype)."""
-    cache_key = (kind, fn, key, jit_compile, full_output)
-    try:
-        found = _COMPILED.pop(cache_key)
-    except (KeyError, TypeError):
-        found = None
-    if found is None:
+    """The chunk solve for ``fn`` and these options, from `solve_cache.SOLVES`
+    (`least_squares`'s cache; the tf.function keeps one trace per chunk
+    shape and dtype)."""
+
+    def build():
         def chunk(x0, per_fit, shared, mask, lower, upper):
             residual_fn = _RESIDUALS[kind](fn, per_fit, shared, mask)
             box = (None if lower is None
@@ -307,13 +302,15 @@ def _compiled(kind, fn, options, key, jit_compile, full_output):
             return batched.solve(residual_fn, x0, options, counts, box,
                                  full_output), counts
 
-        found = tf.function(chunk, jit_compile=jit_compile, autograph=False)
+        return tf.function(chunk, jit_compile=jit_compile, autograph=False)
+
     try:
-        _COMPILED[cache_key] = found
-        while len(_COMPILED) > _CACHE_SIZE:
-            _COMPILED.popitem(last=False)
-    except TypeError:  # an unhashable function: not kept
-        pass
+        function = solve_cache.function_key(fn)
+    except TypeError:
+        function = solve_cache.Identity(fn)
+    found, _ = solve_cache.SOLVES.lookup(
+        ("least_squares_batched", kind, function, key, jit_compile, full_output),
+        build)
     return found
 
 
@@ -517,11 +514,7 @@ def _options(opts, dtype, p, name):
         xtol=eps ** 0.75 if tolerances["xtol"] is None else float(tolerances["xtol"]),
         ftol=4 * eps if tolerances["ftol"] is None else float(tolerances["ftol"]))
 
-    def part_key(part):
-        config = part.get_config() if hasattr(part, "get_config") else {}
-        return (type(part).__module__, type(part).__qualname__,
-                repr(sorted(config.items())))
-
+    part_key = solve_cache.part_key
     key = (part_key(controller), part_key(scaling), solver_name, robust.name,
            robust.f_scale, options.max_iterations, options.max_attempts,
            options.gtol, options.xtol, options.ftol, dtype.name)
