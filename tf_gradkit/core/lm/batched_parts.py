@@ -10,14 +10,16 @@ every tensor: parameters ``[B, P]``, residuals ``[B, N]``, Jacobians
 a radius fit with its own loop) is written here once more, vectorised, with
 a per-problem mask where the one-problem code has a branch or a loop exit.
 
-Products are sums of elementwise products (never a matrix-multiply kernel),
-so TF32 on a GPU does not touch them (as `tf_gradkit.core.precision`).
+The normal equations go through `tf_gradkit.core.precision.matmul` and the
+other products are sums of elementwise products, so TF32 on a GPU does not
+lower their precision.
 """
 
 from typing import NamedTuple, Optional
 
 import tensorflow as tf
 
+from tf_gradkit.core import precision
 from tf_gradkit.core import spd
 from tf_gradkit.core.lm import damping as damping_lib
 from tf_gradkit.core.lm import robust as robust_lib
@@ -61,10 +63,13 @@ def jacobian(residual_fn, x):
 
 
 def normal_equations(jac, residuals):
-    """``(J^T J, J^T r)`` per problem."""
-    jtj = tf.reduce_sum(jac[..., :, None] * jac[..., None, :], axis=-3)
-    jtr = tf.reduce_sum(jac * residuals[..., None], axis=-2)
-    return jtj, jtr
+    """``(J^T J, J^T r)`` per problem from one product ``[J r]^T [J r]``, as
+    `linearize.normal_equations` (float32-accurate under TF32,
+    `precision.matmul`)."""
+    p = jac.shape[-1]
+    both = tf.concat([jac, residuals[..., None]], axis=-1)
+    gram = precision.matmul(both, both, transpose_a=True)
+    return gram[:, :p, :p], gram[:, :p, p]
 
 
 class BatchedRobustLoss:
