@@ -34,6 +34,7 @@ EXAMPLES := accumulate_fit \
 	accumulate_custom_loop \
 	accumulate_tokens \
 	lm_curve_fit \
+	batched_curve_fit \
 	lm_fit \
 	conditional_accumulator \
 	nmf \

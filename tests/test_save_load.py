@@ -276,12 +276,16 @@ def test_every_constructor_argument_survives_get_config(K, gk):
     assert clone.get_config() == proj.get_config()
 
 
-def test_old_lm_configs_with_part_names_still_load(gk):
-    # Configs saved before 0.2 held lower-cased names of the parts.
-    old = {"name": "lm", "controller": "nielsen", "scaling": "marquardt",
-           "solver": "normalequationsdual", "max_attempts": 4, "chunk_size": None}
-    lm = gk.LevenbergMarquardt.from_config(old)
+def test_lm_configs_name_parts_by_their_table_names(gk):
+    config = {"name": "lm", "controller": "nielsen", "scaling": "marquardt",
+              "solver": "dual", "max_attempts": 4, "chunk_size": None}
+    lm = gk.LevenbergMarquardt.from_config(config)
     assert type(lm.solver).__name__ == "NormalEquationsDual" and lm.max_attempts == 4
+    # A lower-cased class name (an unreleased pre-0.2 layout) is refused by name.
+    with pytest.raises(ValueError, match=r"`solver` must be one of \['cg', 'cholesky', "
+                                         r"'dual', 'qr'\] or an object\. Received: "
+                                         r"solver='normalequationsdual'"):
+        gk.LevenbergMarquardt.from_config(dict(config, solver="normalequationsdual"))
 
 
 def test_h5_names_are_unique(K, gk):

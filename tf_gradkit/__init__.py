@@ -16,6 +16,9 @@ from tf_gradkit.core.augmented_lagrangian import ConstraintSpec
 from tf_gradkit.core.augmented_lagrangian import Equality
 from tf_gradkit.core.augmented_lagrangian import Inequality
 from tf_gradkit.core.conditional_accumulator import ConditionalAccumulator
+from tf_gradkit.core.lm.fitting import BatchedFitResult
+from tf_gradkit.core.lm.fitting import curve_fit
+from tf_gradkit.core.lm.fitting import least_squares_batched
 from tf_gradkit.core.lm.implicit import solve_least_squares
 from tf_gradkit.core.lm.least_squares import LeastSquaresResult, least_squares
 
@@ -24,12 +27,15 @@ __version__ = "0.1.0"
 __all__ = [
     "attach",
     "load_optimizer_state",
+    "BatchedFitResult",
     "ConditionalAccumulator",
     "ConstraintSpec",
     "Equality",
     "Inequality",
     "LeastSquaresResult",
+    "curve_fit",
     "least_squares",
+    "least_squares_batched",
     "solve_least_squares",
     "callbacks",
     "constraints",

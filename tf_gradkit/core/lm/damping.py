@@ -1,9 +1,13 @@
 """Damping controllers and damping scalings for Levenberg-Marquardt.
 
-A *controller* decides how the damping ``lambda`` moves after each attempt,
-from the gain ratio ``rho = actual reduction / predicted reduction``. A
-*scaling* decides the damping matrix ``D^2`` in ``(J^T J + lambda D^2) d = -J^T r``.
-Both are small swappable objects (optimistix-style parts, not string switches).
+A *controller* (`Controller`) decides how the damping ``lambda`` moves after
+each attempt, from the gain ratio ``rho = actual reduction / predicted
+reduction``. A *scaling* (`Scaling`) decides the damping matrix ``D^2`` in
+``(J^T J + lambda D^2) d = -J^T r``. Both are small swappable objects
+(optimistix-style parts, not string switches). A *restart policy*
+(`RestartPolicy`, e.g. `LevenbergThenMarquardt`, known as ``"hybrid"``) is
+neither: it lists the (scaling, controller) runs of a whole solve, which
+only `least_squares` makes; ``scaling=`` accepts one by name.
 
 References:
   K. Madsen, H.B. Nielsen, O. Tingleff, "Methods for non-linear least squares
@@ -51,7 +55,49 @@ def _check_positive(owner, **values):
                              f"Received: {name}={value!r}")
 
 
-class _Controller:
+class Controller:
+    """The damping rule of LM: a part with these methods (graph code).
+
+    - ``init(dtype) -> DampingState``: the state before the first step.
+    - ``propose(solver, lin, state, d2, x) -> (step, ok, state)``: the damped
+      step for the linearisation ``lin`` (``solver.solve(lin, lambda, d2)``
+      at the lambda it picks), whether it is usable, and the state it was
+      taken with (``x``: the flat parameters, for a radius relative to them).
+    - ``accept(state, rho, trial) -> DampingState`` after an accepted attempt
+      with gain ratio ``rho``; ``reject(state, trial)`` after a rejected one
+      (``trial``: a `Trial`).
+    - ``restrain(state) -> DampingState``: more damping for the next step
+      (the Keras optimizer's mini-batch guard).
+    - ``get_config() -> dict``: the constructor's arguments (parts are saved
+      as name plus config, `parts.py`).
+
+    Register a new one in `CONTROLLERS` to make it known by name.
+    """
+
+    def init(self, dtype):
+        raise NotImplementedError
+
+    def propose(self, solver, lin, state, d2, x):
+        raise NotImplementedError
+
+    def accept(self, state, rho, trial=None):
+        raise NotImplementedError
+
+    def reject(self, state, trial=None):
+        raise NotImplementedError
+
+    def restrain(self, state):
+        raise NotImplementedError
+
+    def get_config(self):
+        return {}
+
+
+class DampingFactor(Controller):
+    """A controller that moves lambda itself by factors (`Nielsen`,
+    `MultiplyDivide`), within ``[floor, ceiling]``; the step is the damped
+    solve at the current lambda."""
+
     def __init__(self, initial, floor, ceiling):
         _check_positive(type(self).__name__, initial=initial, floor=floor,
                         ceiling=ceiling)
@@ -86,7 +132,11 @@ class _Controller:
                 "ceiling": self.ceiling}
 
 
-class Nielsen(_Controller):
+# The name before the base was documented (kept for subclasses elsewhere).
+_Controller = DampingFactor
+
+
+class Nielsen(DampingFactor):
     """Nielsen's gain-ratio rule: smooth decrease on success, doubling growth.
 
     accept: ``lambda *= max(1/3, 1 - (2 rho - 1)^3)``, ``nu = 2``;
@@ -108,7 +158,7 @@ class Nielsen(_Controller):
         return DampingState(self._clip(state.damping * state.nu), state.nu * 2.0)
 
 
-class MultiplyDivide(_Controller):
+class MultiplyDivide(DampingFactor):
     """The classic rule (MATLAB ``trainlm``): ``lambda *= increase`` on
     rejection, ``lambda *= decrease`` on success (defaults 10 and 0.1)."""
 
@@ -135,7 +185,7 @@ class MultiplyDivide(_Controller):
                     decrease=self.decrease)
 
 
-class TrustRegion:
+class TrustRegion(Controller):
     """Moré's trust-region control of the step, as in MINPACK ``lmder``.
 
     The damping is not a state of its own: each iteration keeps a radius
@@ -177,7 +227,8 @@ class TrustRegion:
         return {"factor": self.factor, "max_solves": self.max_solves}
 
     def with_factor(self, factor):
-        """This controller with another first radius (`Hybrid`'s phases)."""
+        """This controller with another first radius (`LevenbergThenMarquardt`'s
+        phases)."""
         return TrustRegion(factor=factor, max_solves=self.max_solves)
 
     def init(self, dtype):
@@ -287,7 +338,36 @@ class TrustRegion:
             shrink, grow, keep)
 
 
-class Levenberg:
+class Scaling:
+    """The damping matrix ``D^2`` of LM: a part with these methods.
+
+    - ``needs_diagonal``: True if it reads ``diag(J^T J)`` (a matrix-free
+      solver, which never forms it, then refuses it: `parts.check_parts`).
+    - ``init(num_params, dtype) -> scale``: its memory before the first step.
+    - ``update(scale, jtj_diag) -> scale``: the memory after seeing this
+      iteration's ``diag(J^T J)``.
+    - ``diagonal(scale, jtj_diag) -> d2``: ``D^2``'s diagonal for this step.
+    - ``get_config() -> dict``: the constructor's arguments.
+
+    Register a new one in `SCALINGS` to make it known by name.
+    """
+
+    needs_diagonal = True
+
+    def init(self, num_params, dtype):
+        return tf.zeros([num_params], dtype)
+
+    def update(self, scale, jtj_diag):
+        raise NotImplementedError
+
+    def diagonal(self, scale, jtj_diag):
+        raise NotImplementedError
+
+    def get_config(self):
+        return {}
+
+
+class Levenberg(Scaling):
     """``D^2 = I``: plain ridge damping (invariant to nothing, simple)."""
 
     needs_diagonal = False  # works with matrix-free solvers
@@ -307,7 +387,7 @@ class Levenberg:
         return tf.ones_like(jtj_diag)
 
 
-class Marquardt:
+class Marquardt(Scaling):
     """``D^2 = diag(J^T J)``: invariant to parameter scaling.
 
     Args:
@@ -372,8 +452,26 @@ class XScale(Levenberg):
                                                                jtj_diag.dtype)
 
 
-class Hybrid:
-    """Levenberg's scaling first, Marquardt's if that run does not converge.
+class RestartPolicy:
+    """The runs of a whole solve: a part with ``phases(controller) ->
+    [(scaling, controller), ...]``, run in order by `least_squares`, each
+    later one only where the runs before it ended unconverged, from the same
+    start (the lower cost is kept). Not a `Scaling`: the Keras optimizer,
+    which takes one step per batch, refuses it. ``needs_diagonal``: True if
+    any phase's scaling reads ``diag(J^T J)``."""
+
+    needs_diagonal = True
+
+    def phases(self, controller):
+        raise NotImplementedError
+
+    def get_config(self):
+        return {}
+
+
+class LevenbergThenMarquardt(RestartPolicy):
+    """Levenberg's scaling first, Marquardt's if that run does not converge
+    (``scaling="hybrid"``; the class was called ``Hybrid``, still a name of it).
 
     The two scalings win on different problems. ``D = I`` with a first trust
     radius of ``|x0|`` (scipy ``trf``'s default) crosses the huge column
@@ -398,7 +496,7 @@ class Hybrid:
     needs_diagonal = True  # the Marquardt phase reads diag(J^T J)
 
     def __init__(self, factor=1.0):
-        _check_positive("Hybrid", factor=factor)
+        _check_positive("Hybrid", factor=factor)  # its name in messages
         self.factor = factor
 
     def get_config(self):
@@ -411,6 +509,11 @@ class Hybrid:
                 (Marquardt(), controller)]
 
 
+# The name before it was placed as a restart policy (configs, scripts).
+Hybrid = LevenbergThenMarquardt
+
 CONTROLLERS = {"nielsen": Nielsen, "multiply_divide": MultiplyDivide,
                "trust_region": TrustRegion}
-SCALINGS = {"levenberg": Levenberg, "marquardt": Marquardt, "hybrid": Hybrid}
+# What ``scaling=`` accepts by name: the scalings, and the restart policy
+# "hybrid" (`least_squares` only).
+SCALINGS = {"levenberg": Levenberg, "marquardt": Marquardt, "hybrid": LevenbergThenMarquardt}

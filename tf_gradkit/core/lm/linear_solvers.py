@@ -66,17 +66,34 @@ def _finite(x):
     return tf.reduce_all(tf.math.is_finite(x))
 
 
-class _Solver:
-    """A linear solver part. ``consumes``: the linearisation form it solves
-    from (one of `FORMS`)."""
+class Solver:
+    """A linear solver part: the damped Gauss-Newton step.
+
+    - ``consumes``: the linearisation form it solves from (one of `FORMS`;
+      `linearize.linearize_as` forms it), an ability, not a type switch.
+    - ``solve(lin, damping, d2) -> (step, ok)``: ``d`` with
+      ``(J^T J + damping diag(d2)) d = -J^T r`` from the `Linearization`
+      ``lin``, and whether the solve succeeded (a failure makes the caller
+      raise the damping and retry). Graph code, XLA-compilable.
+    - ``get_config() -> dict``: the constructor's arguments.
+
+    Register a new one in `SOLVERS` to make it known by name.
+    """
 
     consumes = NORMAL_EQUATIONS
+
+    def solve(self, lin, damping, d2):
+        raise NotImplementedError
 
     def get_config(self):
         return {}
 
 
-class Cholesky(_Solver):
+# The name before the base was documented (kept for subclasses elsewhere).
+_Solver = Solver
+
+
+class Cholesky(Solver):
     """Cholesky factorisation of ``J^T J + lambda D^2``."""
 
     consumes = NORMAL_EQUATIONS
@@ -87,7 +104,7 @@ class Cholesky(_Solver):
         return step[:, 0], ok
 
 
-class QR(_Solver):
+class QR(Solver):
     """Householder QR of the augmented system ``[J; sqrt(lambda) D]``."""
 
     consumes = JACOBIAN
@@ -103,7 +120,7 @@ class QR(_Solver):
         return step, _finite(step)
 
 
-class NormalEquationsDual(_Solver):
+class NormalEquationsDual(Solver):
     """The ``J J^T`` form, for problems with fewer residuals than parameters."""
 
     consumes = JACOBIAN
@@ -118,7 +135,7 @@ class NormalEquationsDual(_Solver):
         return step, tf.logical_and(ok, _finite(step))
 
 
-class ConjugateGradient(_Solver):
+class ConjugateGradient(Solver):
     """Matrix-free conjugate gradients on ``(J^T J + lambda D^2) d = -J^T r``.
 
     Args:

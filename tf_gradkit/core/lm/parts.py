@@ -29,9 +29,7 @@ def resolve_part(value, table, argument):
     if isinstance(value, dict) and "name" in value:
         value, config = value["name"], dict(value.get("config") or {})
     if isinstance(value, str):
-        # Configs saved before 0.2 hold lower-cased class names.
-        by_class = {cls.__name__.lower(): cls for cls in table.values()}
-        cls = table.get(value) or by_class.get(value.lower())
+        cls = table.get(value)
         if cls is None:
             raise ValueError(f"`{argument}` must be one of {sorted(table)} or an "
                              f"object. Received: {argument}={value!r}")

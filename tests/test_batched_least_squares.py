@@ -1,0 +1,258 @@
+"""`least_squares_batched` and `curve_fit`: each problem of a batch ends where
+`least_squares` ends on it alone with the same options.
+
+The references are one-problem `least_squares` solves, each traced once per
+(model, point count, options) and reused (no XLA: the same graph code); the
+batched solves run compiled with XLA where the test says so. Every compared
+problem must agree in its stop reason, its iteration count and, to round-off,
+its solution, cost and covariance.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_gradkit
+from tf_gradkit.core.lm import fitting, solve_cache
+
+pytestmark = pytest.mark.keras_free
+
+F64 = tf.float64
+LOWER, UPPER = np.array([0.0, 0.0, -1.0]), np.array([10.0, 2.0, 1.0])
+
+
+def decay(t, p):
+    return p[:, 0:1] * tf.exp(-p[:, 1:2] * t) + p[:, 2:3]
+
+
+_GRAPHS = {}
+
+
+def single(model, t, y, sigma, p0, dtype=F64, **options):
+    """`least_squares` of ``(model(t, p) - y) / sigma`` for one problem."""
+    key = (model, len(t), np.dtype(dtype.as_numpy_dtype).name,
+           repr(sorted(options.items())))
+    if key not in _GRAPHS:
+        var = tf.Variable(tf.zeros([len(p0)], dtype))
+
+        @tf.function(autograph=False)
+        def run(start, t, y, sigma):
+            var.assign(start)
+            result = tf_gradkit.least_squares(
+                lambda: (model(t[None], var[None])[0] - y) / sigma, [var],
+                **options)
+            return result, var.value()
+
+        _GRAPHS[key] = run
+    return _GRAPHS[key](*[tf.constant(np.asarray(a), dtype)
+                          for a in (p0, t, y, sigma)])[0]
+
+
+def problems(batch, n_max, seed, dtype=np.float64, ragged=True):
+    """Ragged decay problems padded to ``n_max`` (NaN at the padding)."""
+    rng = np.random.default_rng(seed)
+    truth = np.stack([rng.uniform(1, 5, batch), rng.uniform(0.3, 2.6, batch),
+                      rng.uniform(-0.5, 0.5, batch)], axis=1)
+    lengths = rng.choice([n_max, n_max - 10], batch) if ragged else np.full(
+        batch, n_max)
+    t = np.full([batch, n_max], np.nan)
+    y = np.full([batch, n_max], np.nan)
+    sigma = np.full([batch, n_max], np.nan)
+    mask = np.zeros([batch, n_max], bool)
+    for b, n in enumerate(lengths):
+        t[b, :n] = np.linspace(0.0, 4.0, n)
+        sigma[b, :n] = rng.uniform(0.5, 2.0, n)
+        noise = 0.0 if b < 4 else 0.03
+        y[b, :n] = (truth[b, 0] * np.exp(-truth[b, 1] * t[b, :n]) + truth[b, 2]
+                    + noise * sigma[b, :n] * rng.normal(size=n))
+        mask[b, :n] = True
+    p0 = np.clip(truth * (1 + 0.3 * rng.normal(size=truth.shape)),
+                 LOWER + 0.05, UPPER - 0.05)
+    cast = (lambda a: a.astype(dtype))
+    return cast(t), cast(y), cast(sigma), mask, cast(p0), lengths
+
+
+def assert_same(fit, b, ref, rtol=1e-8, atol=1e-10, cov_rtol=1e-6):
+    assert int(fit.status[b]) == int(ref.reason_code), (b, fit.reason[b], ref.reason)
+    assert int(fit.iterations[b]) == int(ref.iterations), b
+    assert bool(fit.converged[b]) == bool(ref.converged), b
+    np.testing.assert_allclose(fit.x[b].numpy(), ref.x.numpy(), rtol=rtol, atol=atol)
+    np.testing.assert_allclose(fit.cost[b].numpy(), ref.cost.numpy(), rtol=rtol,
+                               atol=atol)
+    np.testing.assert_allclose(fit.covariance[b].numpy(), ref.covariance.numpy(),
+                               rtol=cov_rtol, atol=atol)
+    np.testing.assert_array_equal(fit.active_mask[b].numpy(), ref.active_mask.numpy())
+
+
+def _mixed_batch():
+    """26 ragged (masked, NaN-padded) problems with sigma weights and shared
+    bounds, some ending on a bound; problem 24 has a NaN datum, problem 25
+    an infeasible start."""
+    t, y, sigma, mask, p0, lengths = problems(26, 30, seed=0)
+    y[24, 3] = np.nan
+    p0[25, 1] = 3.0                         # outside [0, 2]
+    return t, y, sigma, mask, p0, lengths
+
+
+def _check_mixed(fit, t, y, sigma, p0, lengths, rtol, **options):
+    assert fit.x.shape == (26, 3) and fit.covariance.shape == (26, 3, 3)
+    assert int(fit.status[24]) == 7 and "non-finite" in fit.reason[24]
+    assert int(fit.status[25]) == 8 and "infeasible" in fit.reason[25]
+    assert not bool(fit.converged[24]) and not bool(fit.converged[25])
+    np.testing.assert_array_equal(fit.x[25].numpy(), p0[25])
+    on_bound = 0
+    for b in range(24):
+        n = lengths[b]
+        ref = single(decay, t[b, :n], y[b, :n], sigma[b, :n], p0[b],
+                     bounds=(LOWER, UPPER), **options)
+        assert_same(fit, b, ref, rtol=rtol)
+        on_bound += int(np.any(ref.active_mask.numpy() != 0))
+    assert on_bound >= 2  # the bound-hitting case is covered
+    return set(fit.status.numpy()[:24].tolist())
+
+
+def test_batch_matches_single_solves():
+    """Default tolerances, the same graph code without XLA: every problem
+    takes the single solve's steps (same stop reason and iteration count,
+    the solution to 1e-10); the bad problems change nobody else."""
+    t, y, sigma, mask, p0, lengths = _mixed_batch()
+    fit = tf_gradkit.curve_fit(decay, t, y, p0, sigma=sigma, bounds=(LOWER, UPPER),
+                               mask=mask, jit_compile=False)
+    statuses = _check_mixed(fit, t, y, sigma, p0, lengths, rtol=1e-10)
+    assert 1 in statuses and 2 in statuses and 3 in statuses, statuses
+
+
+@pytest.mark.slow
+def test_compiled_batch_matches_single_solves():
+    """The same under XLA (its CPU code rounds differently, so the default
+    tolerances, at round-off, may stop an iteration apart or for the other
+    tolerance): with tolerances above round-off each problem stops where the
+    single solve does, for the same reason."""
+    t, y, sigma, mask, p0, lengths = _mixed_batch()
+    tolerances = dict(ftol=1e-10, xtol=1e-10, gtol=1e-10)
+    fit = tf_gradkit.curve_fit(decay, t, y, p0, sigma=sigma, bounds=(LOWER, UPPER),
+                               mask=mask, **tolerances)
+    _check_mixed(fit, t, y, sigma, p0, lengths, rtol=1e-8, **tolerances)
+
+
+def test_absolute_sigma_covariance():
+    """``absolute_sigma=True``: the pseudo-inverse of J^T J, unscaled."""
+    jac = tf.constant(np.diag([1.0, 2.0, 4.0])[None].repeat(2, 0))
+    cov = fitting.batched_parts.covariance(jac, tf.constant([1.0, 2.0], F64),
+                                           tf.constant([3.0, 5.0], F64), absolute=True)
+    np.testing.assert_allclose(cov.numpy()[0], np.diag([1.0, 0.25, 1 / 16]))
+    scaled = fitting.batched_parts.covariance(jac, tf.constant([1.0, 2.0], F64),
+                                              tf.constant([3.0, 5.0], F64),
+                                              absolute=False)
+    assert np.isinf(scaled.numpy()[0]).all()  # n = P: no degrees of freedom
+    np.testing.assert_allclose(scaled.numpy()[1], np.diag([1.0, 0.25, 1 / 16]) * 2.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["soft_l1", "cauchy"])
+def test_robust_losses_and_restarts_match_single_solves(loss):
+    """Robust losses (the 'hybrid' scaling's two phases: a short iteration
+    limit makes some problems restart) with outliers, unbounded. The robust
+    cost is summed in another order than the single solve's, so the
+    tolerances are set above round-off (at the defaults a last iteration may
+    stop on the step rather than the cost tolerance)."""
+    t, y, sigma, mask, p0, lengths = problems(10, 24, seed=1, ragged=False)
+    y[:, 5] += 2.0                       # an outlier in every problem
+    p0[:5] = p0[:5] * 3.0 + 1.0          # far starts
+    options = dict(loss=loss, f_scale=0.1, max_iterations=12, ftol=1e-10,
+                   xtol=1e-10, gtol=1e-10)
+    fit = tf_gradkit.curve_fit(decay, t, y, p0, sigma=sigma, mask=mask,
+                               bounds=None, jit_compile=False, **options)
+    limits = 0
+    for b in range(10):
+        n = lengths[b]
+        ref = single(decay, t[b, :n], y[b, :n], sigma[b, :n], p0[b], **options)
+        assert_same(fit, b, ref, rtol=1e-7, atol=1e-9, cov_rtol=1e-5)
+        limits += int(ref.iterations) > 12
+    assert limits >= 1  # a second phase ran somewhere
+
+
+@pytest.mark.slow
+def test_float32_matches_single_solves():
+    """float32: the same verdicts; the solutions agree to what float32
+    resolves at a nonzero-residual minimum (the cost is flat to eps there,
+    so x only to about sqrt(eps32) = 3e-4 relative). The stop reasons are
+    not compared: in float32 the gradient and step tests sit at round-off
+    (one problem stops on the gradient alone and on the step batched)."""
+    t, y, sigma, mask, p0, lengths = problems(6, 20, seed=2, dtype=np.float32,
+                                              ragged=False)
+    tolerances = dict(ftol=1e-5, xtol=1e-5, gtol=1e-5)
+    fit = tf_gradkit.curve_fit(decay, t, y, p0, mask=mask, jit_compile=False,
+                               solver="cholesky", **tolerances)
+    assert fit.x.dtype == tf.float32
+    for b in range(6):
+        n = lengths[b]
+        ref = single(decay, t[b, :n], y[b, :n], np.ones(n, np.float32), p0[b],
+                     dtype=tf.float32, solver="cholesky", **tolerances)
+        assert bool(fit.converged[b]) == bool(ref.converged)
+        np.testing.assert_allclose(fit.x[b].numpy(), ref.x.numpy(), rtol=1e-3,
+                                   atol=3e-4)
+
+
+def test_chunks_and_cache():
+    """Chunking (a padded last chunk) changes nothing; a repeated call with
+    the same function and options traces nothing new."""
+    t, y, sigma, mask, p0, _ = problems(7, 20, seed=3)
+
+    def model(t, p):
+        return decay(t, p)
+
+    whole = tf_gradkit.curve_fit(model, t, y, p0, mask=mask, jit_compile=False)
+    chunked = tf_gradkit.curve_fit(model, t, y, p0, mask=mask, jit_compile=False,
+                                   batch_size=3)
+    np.testing.assert_allclose(chunked.x.numpy(), whole.x.numpy(), rtol=1e-12)
+    np.testing.assert_array_equal(chunked.status.numpy(), whole.status.numpy())
+    hits = solve_cache.SOLVES.info().hits
+    traces = [fn.experimental_get_tracing_count()
+              for fn in solve_cache.SOLVES._entries.values()
+              if hasattr(fn, "experimental_get_tracing_count")]
+    again = tf_gradkit.curve_fit(model, t, y + 0.01, p0, mask=mask,
+                                 jit_compile=False, batch_size=3)
+    assert solve_cache.SOLVES.info().hits == hits + 1
+    assert [fn.experimental_get_tracing_count()
+            for fn in solve_cache.SOLVES._entries.values()
+              if hasattr(fn, "experimental_get_tracing_count")] == traces
+    assert again.x.shape == (7, 3)
+
+
+def test_one_fit_and_least_squares_batched():
+    t = np.linspace(0, 4, 20)
+    y = 2.0 * np.exp(-0.7 * t) + 0.1
+    one = tf_gradkit.curve_fit(decay, t, y, [1.0, 1.0, 0.0], jit_compile=False)
+    assert one.x.shape == (3,) and one.covariance.shape == (3, 3)
+    np.testing.assert_allclose(one.x.numpy(), [2.0, 0.7, 0.1], rtol=1e-8)
+    ys = np.stack([y, 2 * y])
+
+    def fun(x, data):
+        return decay(t, x) - data
+
+    res = tf_gradkit.least_squares_batched(fun, np.ones([2, 3]), (ys,),
+                                           jit_compile=False, full_output=True)
+    assert res.fun.shape == (2, 20) and res.jac.shape == (2, 20, 3)
+    np.testing.assert_allclose(res.x.numpy(), [[2.0, 0.7, 0.1], [4.0, 0.7, 0.2]],
+                               rtol=1e-8)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(ydata=np.zeros([3, 5])), "ydata"),
+    (dict(p0=np.zeros([2, 3, 1])), "p0"),
+    (dict(sigma=np.ones([2, 4])), "sigma"),
+    (dict(mask=np.ones([2, 6], bool)), "mask"),
+    (dict(bounds=(np.zeros(2), 1.0)), "bounds"),
+    (dict(bounds=(1.0, 0.5)), "lower bound"),
+    (dict(xdata=np.zeros([2, 7]), xdata_per_fit=True), "f"),
+    (dict(batch_size=0), "batch_size"),
+    (dict(solver="cg"), "solver"),
+    (dict(max_iterations=-1), "max_iterations"),
+])
+def test_bad_shapes_refused_naming_the_argument(kwargs, name):
+    args = dict(f=decay, xdata=np.linspace(0, 1, 5), ydata=np.zeros([2, 5]),
+                p0=np.ones([2, 3]), jit_compile=False)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=name):
+        tf_gradkit.curve_fit(**args)

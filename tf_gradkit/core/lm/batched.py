@@ -1,0 +1,278 @@
+"""B independent least-squares problems in one compiled loop.
+
+Each problem runs `least_squares`'s iteration (`step.py`'s accept/reject
+attempts, the trust-region radius, the bounds' active set, a robust loss,
+the stop tests and `least_squares`'s stationarity check) with its own
+damping, iteration count and stop reason; the parts are the one-problem
+parts with a batch axis (`batched_parts.py`). A problem that has stopped is
+frozen (its state is carried unchanged) while the others go on; each loop
+ends when every problem has left it. So each problem ends where
+`least_squares` ends on it alone with the same options, up to round-off
+(tests/test_batched_least_squares.py).
+
+Counters and stop codes are int64 (an int32 tensor would sit in a GPU's
+host memory outside XLA).
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gradkit.core.lm import batched_parts as parts
+from tf_gradkit.core.lm import damping as damping_lib
+from tf_gradkit.core.lm.least_squares import REASONS, STATIONARY_COSINE
+from tf_gradkit.core.lm.least_squares import NON_FINITE_START as _NON_FINITE
+
+NON_FINITE_START = int(_NON_FINITE)
+
+INFEASIBLE_START = len(REASONS)
+BATCHED_REASONS = REASONS + (
+    "infeasible start (the start lies outside `bounds`; as scipy's infeasible "
+    "`x0`)",)
+
+
+class BatchedOptions(NamedTuple):
+    """What a batched solve runs with (resolved parts and numbers)."""
+
+    controller: object
+    scaling: object
+    solver: object
+    loss: object            # robust.RobustLoss
+    max_iterations: int
+    max_attempts: int
+    gtol: float
+    xtol: float
+    ftol: float
+
+
+class BatchedSolution(NamedTuple):
+    x: tf.Tensor             # [B, P]
+    cost: tf.Tensor          # [B]
+    iterations: tf.Tensor    # [B] int64
+    status: tf.Tensor        # [B] int64, index into BATCHED_REASONS
+    damping: tf.Tensor       # [B]
+    optimality: tf.Tensor    # [B]
+    stationarity: tf.Tensor  # [B]
+    grad: tf.Tensor          # [B, P]
+    active_mask: tf.Tensor   # [B, P] int64
+    factor: tf.Tensor        # [B, P, P] R of a QR of jac (for the covariance)
+    fun: tf.Tensor = None    # [B, N] the residuals at x (full_output)
+    jac: tf.Tensor = None    # [B, N, P] robust-scaled as scipy's (full_output)
+
+
+class _Run(NamedTuple):
+    x: tf.Tensor
+    iterations: tf.Tensor
+    status: tf.Tensor
+    damping: tf.Tensor
+    cost: tf.Tensor
+    stationarity: tf.Tensor
+
+
+def solve(residual_fn, x0, options, counts, box=None, full_output=False):
+    """Solves the B problems ``min 0.5 sum rho(residual_fn(x)[b]^2)``.
+
+    Args:
+      residual_fn: ``x [B, P] -> residuals [B, N]`` (each row depending on
+        its own row of ``x`` only; masked points already 0).
+      x0: ``[B, P]`` starts.
+      options: `BatchedOptions`.
+      counts: ``[B]`` each problem's number of (unmasked) residuals.
+      box: optional `batched_parts.BatchedBounds`.
+      full_output: also return the residuals and the Jacobian at the
+        solutions.
+
+    Returns:
+      `BatchedSolution`.
+    """
+    dtype = x0.dtype
+    eps = float(np.finfo(dtype.as_numpy_dtype).eps)
+    robust = parts.BatchedRobustLoss(options.loss, counts)
+    solver = options.solver
+
+    def cost_fn(x):
+        return robust.cost(residual_fn(x))
+
+    def held(lin, x):
+        return lin if box is None else box.freeze(lin, x)
+
+    start_cost = cost_fn(x0)
+    finite = tf.reduce_all(tf.math.is_finite(x0), axis=-1) & tf.math.is_finite(
+        start_cost)
+    start = tf.where(finite, tf.constant(0, tf.int64),
+                     tf.constant(NON_FINITE_START, tf.int64))
+    if box is not None:
+        start = tf.where(finite & box.infeasible(x0),
+                         tf.constant(INFEASIBLE_START, tf.int64), start)
+
+    def run(scaling, controller, start_code):
+        return _run(residual_fn, cost_fn, robust, held, box, x0, start_code,
+                    start_cost, scaling, controller, options, eps)
+
+    phases = (options.scaling.phases(options.controller)
+              if callable(getattr(options.scaling, "phases", None))
+              else [(options.scaling, options.controller)])
+    out = run(*phases[0], start)
+    for phase in phases[1:]:
+        # `least_squares`'s restart: the next phase only where this one ended
+        # unconverged, from x0 again; the lower cost of the two is kept.
+        again = (out.status >= 4) & (out.status != NON_FINITE_START) & (
+            out.status != INFEASIBLE_START)
+        second = run(*phase, tf.where(again, tf.constant(0, tf.int64), out.status))
+        better = again & ((second.cost < out.cost) | ~tf.math.is_finite(out.cost))
+        kept = _Run(*[tf.where(better[:, None] if a.shape.rank == 2 else better, a, b)
+                      for a, b in zip(second, out)])
+        out = kept._replace(iterations=tf.where(
+            again, out.iterations + second.iterations, out.iterations))
+    x = out.x
+    final = robust.linearize(residual_fn, x)
+    if box is None:
+        mask = tf.zeros_like(x, tf.int64)
+        scaled = final.jtr
+    else:
+        mask = box.active_mask(x)
+        scaled = final.jtr * box.coleman_li(x, final.jtr)
+    return BatchedSolution(
+        x=x, cost=final.cost, iterations=out.iterations, status=out.status,
+        damping=out.damping, optimality=tf.reduce_max(tf.abs(scaled), axis=-1),
+        stationarity=out.stationarity, grad=final.jtr, active_mask=mask,
+        factor=parts.triangular_factor(final.jacobian),
+        fun=residual_fn(x) if full_output else None,
+        jac=final.jacobian if full_output else None)
+
+
+def _run(residual_fn, cost_fn, robust, held, box, x0, start_code, start_cost,
+         scaling, controller, options, eps):
+    """`least_squares`'s ``run`` for every problem whose ``start_code`` is 0
+    (the others are carried through unchanged)."""
+    dtype = x0.dtype
+    batch, p = x0.shape[0], x0.shape[1]
+    solver = options.solver
+    control = controller.init(dtype)
+    damping0 = tf.broadcast_to(control.damping, [batch])
+    nu0 = tf.broadcast_to(control.nu, [batch])
+    scale0 = tf.broadcast_to(scaling.init(p, dtype), [batch, p])
+    sqrt_eps = tf.constant(np.sqrt(eps), dtype)
+
+    def body(x, it, code, damping, nu, scale, largest):
+        active = (code == 0) & (it < options.max_iterations)
+        lin = held(robust.linearize(residual_fn, x, solver.needs_jacobian), x)
+        new_largest = tf.maximum(largest, parts.column_norms(lin))
+        grad_small = tf.reduce_max(tf.abs(lin.jtr), axis=-1) <= options.gtol * (
+            tf.maximum(lin.cost, 1.0))
+        stepping = active & ~grad_small
+        new_x, dstate, new_scale, info = _step(
+            lin, x, damping_lib.DampingState(damping, nu), scale, stepping,
+            cost_fn, box, scaling, controller, options)
+        x_norm = parts.norm(new_x)
+        accepted = info["accepted"]
+        small_step = accepted & (info["step_norm"] <= options.xtol * (
+            options.xtol + x_norm))
+        small_drop = accepted & (lin.cost - info["new_cost"] <= options.ftol * lin.cost)
+        stalled = ~accepted
+        resolution = sqrt_eps * (1e-8 + x_norm)
+        flat = stalled & (info["predicted"] <= options.ftol * lin.cost)
+        tiny = stalled & (info["first_norm"] <= resolution)
+        exhausted = stalled & (info["last_norm"] <= resolution)
+
+        def c(v):
+            return tf.constant(v, tf.int64)
+
+        step_code = tf.where(flat, c(3), tf.where(tiny, c(2), tf.where(
+            exhausted, c(5), tf.where(small_step, c(2), tf.where(small_drop, c(3),
+                                                                 c(0))))))
+        new_code = tf.where(grad_small, c(1), step_code)
+        moved = stepping[:, None]
+        return (tf.where(moved, new_x, x),
+                tf.where(active, it + 1, it),
+                tf.where(active, new_code, code),
+                tf.where(stepping, dstate.damping, damping),
+                tf.where(stepping, dstate.nu, nu),
+                tf.where(moved, new_scale, scale),
+                tf.where(active[:, None], new_largest, largest))
+
+    x, it, code, damping, _, _, largest = tf.while_loop(
+        lambda x, it, code, *_: tf.reduce_any(
+            (code == 0) & (it < options.max_iterations)),
+        body,
+        (x0, tf.zeros([batch], tf.int64), start_code, damping0, nu0, scale0,
+         tf.zeros([batch, p], dtype)),
+        maximum_iterations=options.max_iterations)
+    code = tf.where(code == 0, tf.constant(4, tf.int64), code)
+    final = robust.linearize(residual_fn, x)
+    kept = held(final, x)
+    now = parts.column_norms(kept)
+    cosine_now, r_norm = parts.stationarity(kept, now)
+    cosine, _ = parts.stationarity(kept, tf.maximum(largest, now))
+    tiny = tf.constant(np.finfo(dtype.as_numpy_dtype).tiny, dtype)
+    relative = tf.reduce_max(tf.abs(kept.jtr) * tf.maximum(tf.abs(x), 1.0),
+                             axis=-1) / tf.maximum(final.cost, tiny)
+    stationary = ((cosine_now <= STATIONARY_COSINE)
+                  | ((cosine <= STATIONARY_COSINE) & (relative <= eps ** (1.0 / 3.0))))
+    along = cosine_now * r_norm
+    far = ((code >= 2) & (code <= 3) & ~stationary & (along > sqrt_eps)
+           & (final.cost > eps * start_cost))
+    code = tf.where(far, tf.constant(6, tf.int64), code)
+    return _Run(x=x, iterations=it, status=code, damping=damping, cost=final.cost,
+                stationarity=cosine)
+
+
+def _step(lin, x, state, scale, stepping, cost_fn, box, scaling, controller,
+          options):
+    """`step.levenberg_marquardt_step` for the problems in ``stepping``:
+    ``(x after the step, DampingState, scale, info)``."""
+    dtype = x.dtype
+    jtj_diag = tf.linalg.diag_part(lin.jtj)
+    scale = scaling.update(scale, jtj_diag)
+    d2 = scaling.diagonal(scale, jtj_diag)
+    root_d2 = tf.sqrt(d2)
+    inf = tf.constant(float("inf"), dtype)
+
+    def attempt(i, accepted, damping, nu, new_cost, step_norm, rho, predicted,
+                first_norm, new_x):
+        live = stepping & ~accepted
+        step, ok, dstate = parts.propose(
+            controller, options.solver, lin, damping_lib.DampingState(damping, nu),
+            d2, x, live)
+        step = tf.where(ok[:, None], step, tf.zeros_like(step))
+        if box is not None:
+            step = box.project(x, step)
+        trial_x = x + step
+        trial = cost_fn(trial_x)
+        slope = parts.dot(step, lin.jtr)
+        pred = -slope - 0.5 * parts.dot(step, parts.gauss_newton_matvec(lin, step))
+        gain = (lin.cost - trial) / tf.where(pred > 0, pred, tf.ones_like(pred))
+        good = ok & tf.math.is_finite(trial) & (pred > 0) & (gain > 0)
+        measured = damping_lib.Trial(
+            rho=tf.where(good, gain, tf.zeros_like(gain)),
+            scaled_norm=tf.where(ok, parts.norm(root_d2 * step), inf),
+            actual=tf.where(ok, lin.cost - trial, -inf),
+            slope=slope, cost=lin.cost, new_cost=tf.where(ok, trial, inf))
+        taken = controller.accept(dstate, gain, measured)
+        refused = controller.reject(dstate, measured)
+        dstate = tf.nest.map_structure(lambda a, b: tf.where(good, a, b),
+                                       taken, refused)
+        n = parts.norm(step)
+        new = (good, dstate.damping, dstate.nu, tf.where(good, trial, lin.cost), n,
+               gain, pred, tf.where(tf.equal(i, 0), n, first_norm),
+               tf.where(good[:, None], trial_x, new_x))
+        old = (accepted, damping, nu, new_cost, step_norm, rho, predicted,
+               first_norm, new_x)
+        return (i + 1,) + tuple(
+            tf.where(live[:, None] if a.shape.rank == 2 else live, a, b)
+            for a, b in zip(new, old))
+
+    zero = tf.zeros_like(lin.cost)
+    out = tf.while_loop(
+        lambda i, accepted, *_: (i < options.max_attempts) & tf.reduce_any(
+            stepping & ~accepted),
+        attempt,
+        (tf.constant(0), tf.zeros_like(stepping), state.damping, state.nu,
+         lin.cost, zero, zero, zero, zero, x),
+        maximum_iterations=options.max_attempts)
+    _, accepted, damping, nu, new_cost, step_norm, _, predicted, first_norm, new_x = out
+    info = dict(accepted=accepted, new_cost=new_cost,
+                step_norm=tf.where(accepted, step_norm, zero),
+                predicted=predicted, first_norm=first_norm, last_norm=step_norm)
+    return new_x, damping_lib.DampingState(damping, nu), scale, info

@@ -1,0 +1,433 @@
+"""The Levenberg-Marquardt parts of `least_squares`, over a batch of problems.
+
+`batched.py` solves B independent problems at once; each part here is the
+one-problem part of `step.py`, `linearize.py`, `bounds.py`, `robust.py`,
+`linear_solvers.py` and `damping.TrustRegion` with a leading batch axis on
+every tensor: parameters ``[B, P]``, residuals ``[B, N]``, Jacobians
+``[B, N, P]``, scalars ``[B]``. The elementwise parts are reused as they are
+(the damping controllers' ``accept``/``reject``, the scalings' ``update`` and
+``diagonal``, `robust.LOSSES`); what reads a whole problem (a norm, a solve,
+a radius fit with its own loop) is written here once more, vectorised, with
+a per-problem mask where the one-problem code has a branch or a loop exit.
+
+The normal equations go through `tf_gradkit.core.precision.matmul` and the
+other products are sums of elementwise products, so TF32 on a GPU does not
+lower their precision.
+"""
+
+from typing import NamedTuple, Optional
+
+import tensorflow as tf
+
+from tf_gradkit.core import precision
+from tf_gradkit.core import spd
+from tf_gradkit.core.lm import damping as damping_lib
+from tf_gradkit.core.lm import robust as robust_lib
+
+
+class BatchedLinearization(NamedTuple):
+    """`linear_solvers.Linearization` of B problems: ``cost`` [B], ``jtj``
+    [B, P, P], ``jtr`` [B, P], ``residuals`` [B, M], ``jacobian`` [B, M, P]."""
+
+    cost: tf.Tensor
+    jtj: tf.Tensor
+    jtr: tf.Tensor
+    residuals: Optional[tf.Tensor] = None
+    jacobian: Optional[tf.Tensor] = None
+
+
+def dot(a, b):
+    """``sum(a * b)`` over the last axis."""
+    return tf.reduce_sum(a * b, axis=-1)
+
+
+def norm(a):
+    return tf.norm(a, axis=-1)
+
+
+def jacobian(residual_fn, x):
+    """``(residual_fn(x), J)``: ``[B, N]`` and ``[B, N, P]`` by forward mode:
+    one JVP per parameter column for the whole batch at once, the P columns
+    vectorised (`tf.vectorized_map`: the residuals themselves are computed
+    once, only the tangents P times)."""
+    p = x.shape[-1]
+
+    def column(direction):
+        tangent = tf.broadcast_to(direction, tf.shape(x))
+        with tf.autodiff.ForwardAccumulator(x, tangent) as acc:
+            r = residual_fn(x)
+        return acc.jvp(r, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+    columns = tf.vectorized_map(column, tf.eye(p, dtype=x.dtype))
+    return residual_fn(x), tf.transpose(columns, [1, 2, 0])
+
+
+def normal_equations(jac, residuals):
+    """``(J^T J, J^T r)`` per problem from one product ``[J r]^T [J r]``, as
+    `linearize.normal_equations` (float32-accurate under TF32,
+    `precision.matmul`)."""
+    p = jac.shape[-1]
+    both = tf.concat([jac, residuals[..., None]], axis=-1)
+    gram = precision.matmul(both, both, transpose_a=True)
+    return gram[:, :p, :p], gram[:, :p, p]
+
+
+class BatchedRobustLoss:
+    """`robust.RobustLoss` over rows: the same ``rho``, with the mean
+    ``|f|`` of the first-order losses taken over each problem's own points
+    (``counts`` [B], the unmasked ones; masked residuals are 0)."""
+
+    def __init__(self, loss, counts):
+        self.loss, self.counts = loss, counts
+        self._rho = robust_lib.LOSSES[loss.name]
+
+    @property
+    def is_linear(self):
+        return self.loss.is_linear
+
+    def cost(self, f):
+        if self.is_linear:
+            return 0.5 * tf.reduce_sum(tf.square(f), axis=-1)
+        c = tf.constant(self.loss.f_scale, f.dtype)
+        rho, _, _ = self._rho(tf.square(f / c))
+        return 0.5 * c * c * tf.reduce_sum(rho, axis=-1)
+
+    def weights(self, f):
+        c = tf.constant(self.loss.f_scale, f.dtype)
+        z = tf.square(f / c)
+        eps = tf.constant(tf.experimental.numpy.finfo(f.dtype.as_numpy_dtype).eps,
+                          f.dtype)
+        if self.loss.name in robust_lib.FIRST_ORDER:
+            mean = tf.reduce_sum(tf.abs(f), axis=-1) / self.counts
+            floor = robust_lib.FIRST_ORDER_FLOOR * mean / c
+            z = tf.maximum(z, tf.maximum(tf.square(floor), eps)[:, None])
+            _, d1, _ = self._rho(z)
+            j_factor = tf.sqrt(d1)
+        else:
+            _, d1, d2 = self._rho(z)
+            j_factor = tf.sqrt(tf.maximum(d1 + 2.0 * z * d2, eps))
+        return d1 / j_factor, j_factor
+
+    def linearize(self, residual_fn, x, needs_jacobian=True):
+        """`BatchedLinearization` of the step residuals (scipy's rescaling
+        for a robust loss, `robust.py`) at ``x``."""
+        f, jac = jacobian(residual_fn, x)
+        if self.is_linear:
+            r = f
+        else:
+            f_factor, j_factor = self.weights(f)
+            r = j_factor * f + (f_factor - j_factor) * f
+            jac = j_factor[..., None] * jac
+        jtj, jtr = normal_equations(jac, r)
+        return BatchedLinearization(cost=self.cost(f), jtj=jtj, jtr=jtr,
+                                    residuals=r if needs_jacobian else None,
+                                    jacobian=jac if needs_jacobian else None)
+
+
+class BatchedBounds:
+    """`bounds.Bounds` with ``lower``/``upper`` [B, P]."""
+
+    def __init__(self, lower, upper):
+        self.lower, self.upper = lower, upper
+
+    def clip(self, x):
+        return tf.clip_by_value(x, self.lower, self.upper)
+
+    def project(self, x, step):
+        return self.clip(x + step) - x
+
+    def frozen(self, x, gradient):
+        return (((x <= self.lower) & (gradient > 0))
+                | ((x >= self.upper) & (gradient < 0)))
+
+    def infeasible(self, x):
+        return tf.reduce_any((x < self.lower) | (x > self.upper), axis=-1)
+
+    def coleman_li(self, x, gradient):
+        one = tf.ones_like(x)
+        v = tf.where((gradient < 0) & tf.math.is_finite(self.upper),
+                     self.upper - x, one)
+        return tf.where((gradient > 0) & tf.math.is_finite(self.lower),
+                        x - self.lower, v)
+
+    def active_mask(self, x):
+        """scipy's ``active_mask`` (int64: no int32 tensor on a GPU's host)."""
+        return (tf.cast(x >= self.upper, tf.int64)
+                - tf.cast(x <= self.lower, tf.int64))
+
+    def freeze(self, lin, x):
+        """`bounds.freeze` per problem: the parameters held on a bound taken
+        out of the damped system."""
+        frozen = self.frozen(x, lin.jtr)
+        dtype = lin.jtr.dtype
+        keep, hold = tf.cast(~frozen, dtype), tf.cast(frozen, dtype)
+        diag = tf.linalg.diag_part(lin.jtj)
+        own = tf.where(diag > 0, diag, tf.ones_like(diag))
+        jtj = (lin.jtj * keep[..., :, None] * keep[..., None, :]
+               + tf.linalg.diag(hold * own))
+        jac, residuals = lin.jacobian, lin.residuals
+        if jac is not None:
+            norms = tf.sqrt(tf.reduce_sum(tf.square(jac), axis=-2))
+            norms = tf.where(norms > 0, norms, tf.ones_like(norms))
+            jac = tf.concat([jac * keep[..., None, :],
+                             tf.linalg.diag(hold * norms)], axis=-2)
+            residuals = tf.concat([residuals, tf.zeros_like(lin.jtr)], axis=-1)
+        return BatchedLinearization(cost=lin.cost, jtj=jtj, jtr=lin.jtr * keep,
+                                    residuals=residuals, jacobian=jac)
+
+
+def _all_finite(x):
+    return tf.reduce_all(tf.math.is_finite(x), axis=-1)
+
+
+class BatchedQR:
+    """`linear_solvers.QR` per problem: Householder QR of ``[J; sqrt(lambda) D]``."""
+
+    needs_jacobian = True
+
+    def solve(self, lin, damping, d2):
+        augmented = tf.concat(
+            [lin.jacobian, tf.linalg.diag(tf.sqrt(damping[:, None] * d2))], axis=-2)
+        rhs = tf.concat([-lin.residuals, tf.zeros_like(d2)], axis=-1)
+        q, r = tf.linalg.qr(augmented)
+        qtb = tf.reduce_sum(q * rhs[..., None], axis=-2)
+        step = tf.linalg.triangular_solve(r, qtb[..., None], lower=False)[..., 0]
+        return step, _all_finite(step)
+
+
+# Up to this many parameters the Cholesky solve is unrolled under XLA: P^3/6
+# elementwise operations on [B] vectors, which XLA fuses, where its own
+# batched Cholesky expansion runs a loop over small matrices (measured on the
+# 2-D Gaussian, P = 5: see docs/batched_fits.md). Outside XLA the library
+# kernels run, as `least_squares`'s (`spd.solve`).
+UNROLL_MAX_PARAMS = 16
+
+
+def unrolled_cholesky_solve(a, rhs):
+    """Solves ``a x = rhs`` per problem (``a`` [B, P, P] positive definite,
+    ``rhs`` [B, P]) by a Cholesky factorisation unrolled over the P columns:
+    ``(x, ok)``."""
+    p = a.shape[-1]
+    entries = [[a[:, i, j] for j in range(p)] for i in range(p)]
+    low = [[None] * p for _ in range(p)]
+    ok = tf.ones_like(a[:, 0, 0], tf.bool)
+    for j in range(p):
+        s = entries[j][j]
+        for k in range(j):
+            s = s - low[j][k] * low[j][k]
+        ok = ok & (s > 0)
+        d = tf.sqrt(tf.where(s > 0, s, tf.ones_like(s)))
+        low[j][j] = d
+        for i in range(j + 1, p):
+            t = entries[i][j]
+            for k in range(j):
+                t = t - low[i][k] * low[j][k]
+            low[i][j] = t / d
+    z = []
+    for i in range(p):
+        t = rhs[:, i]
+        for k in range(i):
+            t = t - low[i][k] * z[k]
+        z.append(t / low[i][i])
+    x = [None] * p
+    for i in reversed(range(p)):
+        t = z[i]
+        for k in range(i + 1, p):
+            t = t - low[k][i] * x[k]
+        x[i] = t / low[i][i]
+    x = tf.stack(x, axis=-1)
+    ok = ok & _all_finite(x)
+    return tf.where(ok[:, None], x, tf.zeros_like(x)), ok
+
+
+def unrolled_qr(a, rhs=None):
+    """Householder QR per problem, unrolled over the P columns (for XLA, as
+    `unrolled_cholesky_solve`): ``a`` [B, M, P] -> ``R`` [B, P, P] (upper
+    triangular) and, with ``rhs`` [B, M], ``Q^T rhs`` [B, P]. (As the damped
+    solve it measured no faster than XLA's own QR, both far slower than the
+    Cholesky solve on the 2-D Gaussian; it factors the final Jacobian for
+    the covariance.)"""
+    p = a.shape[-1]
+    tails = [a[:, :, j] for j in range(p)]
+    rows = [[None] * p for _ in range(p)]
+    qtb = []
+    for j in range(p):
+        x = tails[j]
+        x_norm = norm(x)
+        head = x[:, 0]
+        alpha = -tf.where(head >= 0, tf.ones_like(head), -tf.ones_like(head)) * x_norm
+        v = tf.concat([(head - alpha)[:, None], x[:, 1:]], axis=-1)
+        v2 = dot(v, v)
+        beta = tf.where(v2 > 0, 2.0 / tf.where(v2 > 0, v2, tf.ones_like(v2)),
+                        tf.zeros_like(v2))
+        rows[j][j] = alpha
+        for k in range(j + 1, p):
+            c = tails[k] - (beta * dot(v, tails[k]))[:, None] * v
+            rows[j][k] = c[:, 0]
+            tails[k] = c[:, 1:]
+        if rhs is not None:
+            c = rhs - (beta * dot(v, rhs))[:, None] * v
+            qtb.append(c[:, 0])
+            rhs = c[:, 1:]
+        for i in range(j):
+            rows[j][i] = tf.zeros_like(alpha)
+    r = tf.stack([tf.stack(row, axis=-1) for row in rows], axis=-2)
+    return r, (tf.stack(qtb, axis=-1) if rhs is not None else None)
+
+
+def triangular_factor(jac):
+    """``R`` [B, P, P] of a QR of ``jac`` [B, N, P] (its singular values and
+    right vectors are ``jac``'s: `covariance` needs only this)."""
+    if jac.shape[-1] <= UNROLL_MAX_PARAMS and spd._in_xla():
+        return unrolled_qr(jac)[0]
+    return tf.linalg.qr(jac)[1]
+
+
+class BatchedCholesky:
+    """`linear_solvers.Cholesky` per problem: ``J^T J + lambda D^2`` factored."""
+
+    needs_jacobian = False
+
+    def solve(self, lin, damping, d2):
+        a = lin.jtj + tf.linalg.diag(damping[:, None] * d2)
+        if a.shape[-1] <= UNROLL_MAX_PARAMS and spd._in_xla():
+            return unrolled_cholesky_solve(a, -lin.jtr)
+        chol = tf.linalg.cholesky(a)
+        ok = (tf.reduce_all(tf.math.is_finite(chol), axis=[-2, -1])
+              & tf.reduce_all(tf.linalg.diag_part(chol) > 0, axis=-1))
+        eye = tf.eye(a.shape[-1], batch_shape=tf.shape(a)[:1], dtype=a.dtype)
+        safe = tf.where(ok[:, None, None], chol, eye)
+        step = tf.linalg.cholesky_solve(safe, -lin.jtr[..., None])[..., 0]
+        ok = ok & _all_finite(step)
+        return tf.where(ok[:, None], step, tf.zeros_like(step)), ok
+
+
+SOLVERS = {"qr": BatchedQR, "cholesky": BatchedCholesky}
+
+
+def gauss_newton_matvec(lin, v):
+    return tf.reduce_sum(lin.jtj * v[..., None, :], axis=-1)
+
+
+def propose(controller, solver, lin, state, d2, x, active):
+    """The damped steps at the controllers' current damping: ``(step [B, P],
+    ok [B], DampingState)``; `trust_region_propose` for `TrustRegion`."""
+    if isinstance(controller, damping_lib.TrustRegion):
+        return trust_region_propose(controller, solver, lin, state, d2, x, active)
+    step, ok = solver.solve(lin, state.damping, d2)
+    return step, ok, state
+
+
+def trust_region_propose(controller, solver, lin, state, d2, x, active):
+    """`damping.TrustRegion.propose` per problem: the Gauss-Newton step where
+    it fits 1.1 times the radius, else lambda fitted to the radius by the
+    same bracketed secant (Illinois), each problem leaving the loop where
+    the one-problem loop would (``active`` [B]: the problems that take a
+    step now; the others are carried along unchanged)."""
+    dtype = lin.jtr.dtype
+    scale = tf.sqrt(d2)
+    zero = tf.zeros_like(state.damping)
+    one = tf.ones_like(zero)
+    inf = tf.fill(tf.shape(zero), tf.constant(float("inf"), dtype))
+    first = state.nu <= 0
+    x_norm = norm(scale * x)
+    radius = tf.where(first, controller.factor * tf.where(x_norm > 0, x_norm, one),
+                      state.nu)
+
+    def measure(lam):
+        step, ok = solver.solve(lin, lam, d2)
+        n = norm(scale * step)
+        ok = ok & tf.math.is_finite(n)
+        return step, ok, tf.where(ok, n, inf)
+
+    gn_step, gn_ok, gn_norm = measure(zero)
+    gn_inside = gn_ok & (gn_norm <= 1.1 * radius)
+    g_norm = norm(lin.jtr / scale)
+    hi = g_norm / radius
+    psi_lo = 1.0 / gn_norm - 1.0 / radius
+    guess = g_norm / gn_norm
+    lam = tf.where(state.damping > 0, tf.minimum(state.damping, hi),
+                   tf.where(gn_ok & (guess > 0), guess, 1e-3 * hi))
+    fitting = active & ~gn_inside
+    false = tf.zeros_like(fitting)
+
+    def body(i, lam, lo, psi_lo, hi, psi_hi, has_hi, side, step, ok, n, done, used):
+        live = fitting & ~done
+        new = list(_secant(radius, measure, lam, lo, psi_lo, hi, psi_hi, has_hi,
+                           side))
+        old = [lam, lo, psi_lo, hi, psi_hi, has_hi, side, step, ok, n, done, used]
+        out = [tf.where(live[:, None] if o.shape.rank == 2 else live, a, o)
+               for a, o in zip(new, old)]
+        return (i + 1, *out)
+
+    out = tf.while_loop(
+        lambda i, *rest: (i < controller.max_solves) & tf.reduce_any(fitting & ~rest[-2]),
+        body,
+        (tf.constant(0), lam, zero, psi_lo, hi, zero, false, zero,
+         tf.zeros_like(lin.jtr), false, zero, false, zero),
+        maximum_iterations=controller.max_solves)
+    fit_step, fit_ok, fit_norm, fit_used = out[8], out[9], out[10], out[12]
+    step = tf.where(gn_inside[:, None], gn_step, fit_step)
+    ok = tf.where(gn_inside, gn_ok, fit_ok)
+    lam = tf.where(gn_inside, zero, fit_used)
+    n = tf.where(gn_inside, gn_norm, fit_norm)
+    radius = tf.where(first & ok, tf.minimum(radius, n), radius)
+    return step, ok, damping_lib.DampingState(lam, radius)
+
+
+def _secant(radius, measure, lam, lo, psi_lo, hi, psi_hi, has_hi, side):
+    """One step of `TrustRegion`'s radius fit for every problem."""
+    used = lam
+    step, ok, n = measure(lam)
+    done = ok & (tf.abs(n - radius) <= 0.1 * radius)
+    psi = 1.0 / n - 1.0 / radius
+    left = psi < 0
+    psi_hi = tf.where(left & (side < 0), 0.5 * psi_hi, psi_hi)
+    psi_lo = tf.where(~left & (side > 0), 0.5 * psi_lo, psi_lo)
+    lo, psi_lo = tf.where(left, lam, lo), tf.where(left, psi, psi_lo)
+    hi, psi_hi = tf.where(left, hi, lam), tf.where(left, psi_hi, psi)
+    has_hi = has_hi | ~left
+    side = tf.where(left, -tf.ones_like(side), tf.ones_like(side))
+    secant = lo - psi_lo * (hi - lo) / (psi_hi - psi_lo)
+    ratio = tf.where(ok, lam * n / radius, 10.0 * lam)
+    cand = tf.where(has_hi, secant, ratio)
+    inside = (cand > lo) & (cand < hi) & tf.math.is_finite(cand)
+    cand = tf.where(inside, cand, tf.maximum(tf.sqrt(lo * hi), 1e-3 * hi))
+    return cand, lo, psi_lo, hi, psi_hi, has_hi, side, step, ok, n, done, used
+
+
+def stationarity(lin, largest):
+    """`least_squares._stationarity` per problem."""
+    r_norm = norm(lin.residuals)
+    denominator = largest * r_norm[:, None]
+    safe = tf.where(denominator > 0, denominator, tf.ones_like(denominator))
+    return tf.reduce_max(tf.where(denominator > 0, tf.abs(lin.jtr) / safe,
+                                  tf.zeros_like(denominator)), axis=-1), r_norm
+
+
+def column_norms(lin):
+    return tf.sqrt(tf.maximum(tf.linalg.diag_part(lin.jtj), 0.0))
+
+
+def covariance(r, cost, counts, absolute):
+    """``curve_fit``'s ``pcov`` per problem (`least_squares.covariance`):
+    the pseudo-inverse of ``J^T J`` from the singular values of ``J`` (those
+    below ``eps * max(n, P) * s_max`` dropped), times ``2 cost / (n - P)``
+    unless ``absolute`` (``absolute_sigma=True``); ``n`` each problem's
+    unmasked point count. From ``r`` [B, P, P], the triangular factor of a
+    QR of J (`triangular_factor`: the same singular values and right
+    vectors), by an SVD outside XLA."""
+    dtype = r.dtype
+    p = r.shape[-1]
+    s, _, v = tf.linalg.svd(r)
+    eps = tf.experimental.numpy.finfo(dtype.as_numpy_dtype).eps
+    kept = s > eps * tf.maximum(counts, float(p))[:, None] * s[:, :1]
+    inverse = tf.where(kept, 1.0 / tf.where(kept, s, tf.ones_like(s)) ** 2,
+                       tf.zeros_like(s))
+    pcov = tf.matmul(v * inverse[:, None, :], v, transpose_b=True)
+    if absolute:
+        return pcov
+    dof = counts - float(p)
+    factor = 2.0 * cost / tf.where(dof > 0, dof, tf.ones_like(dof))
+    return tf.where((dof > 0)[:, None, None], pcov * factor[:, None, None],
+                    tf.constant(float("inf"), dtype))

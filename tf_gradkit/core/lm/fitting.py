@@ -1,0 +1,526 @@
+"""Many small fits in one call: `least_squares_batched` and `curve_fit`.
+
+B independent problems (a 2-D Gaussian to every spot of a movie, a decay to
+every pixel) are solved together by `batched.solve`: one compiled XLA loop
+per chunk of ``batch_size`` problems, each problem with its own damping,
+stop reason and ``converged`` flag, each ending where `least_squares` ends
+on it alone with the same options. A problem with non-finite data or an
+infeasible start gets its own status; the others are not touched.
+
+The compiled chunk solve is kept (by the residual function, the options and
+the chunk's shapes and dtypes), so a repeated call with the same function
+only runs.
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gradkit.core.lm import batched
+from tf_gradkit.core.lm import batched_parts
+from tf_gradkit.core.lm import damping as damping_lib
+from tf_gradkit.core.lm import solve_cache
+from tf_gradkit.core.lm.parts import resolve_part
+from tf_gradkit.core.lm.robust import RobustLoss
+
+# Jacobian elements (chunk x N x P) per chunk when `batch_size` is None: on a
+# GPU 2**24 (64 MB in float32; with the solver's copies a chunk needs a few
+# times that, so 10^6 fits of 225 points run in a few GB); on CPUs 2**20,
+# which keeps a chunk in cache (the 2-D Gaussian: 930 fits a chunk ran
+# faster per fit than 10^4).
+CHUNK_ELEMENTS = 2 ** 24
+CHUNK_ELEMENTS_CPU = 2 ** 20
+
+
+class BatchedFitResult(NamedTuple):
+    """What `least_squares_batched` and `curve_fit` return (tensors).
+
+    Attributes:
+      x: ``[B, P]`` the solutions (``[P]`` for one `curve_fit` fit, and so
+        on for the others).
+      cost: ``[B]`` final ``0.5 * sum rho(r^2)``.
+      converged: ``[B]`` bool: a tolerance met at a stationary point (as
+        `least_squares`).
+      status: ``[B]`` int64, an index into `BATCHED_REASONS` (`reason`
+        gives the text): 1-3 converged, 4 iteration limit, 5 no acceptable
+        step, 6 stalled far from a minimum, 7 non-finite start (the
+        parameters, data or residuals), 8 infeasible start.
+      iterations: ``[B]`` LM iterations run (both phases of "hybrid").
+      covariance: ``[B, P, P]`` the parameters' covariance (`curve_fit`'s
+        ``pcov``; with ``absolute_sigma=False`` scaled by ``2 cost / (n - P)``,
+        ``n`` the problem's unmasked points; ``inf`` when ``n <= P``).
+      perr: ``[B, P]`` standard errors, ``sqrt(diag(covariance))``.
+      optimality, stationarity, damping, grad, active_mask: as
+        `LeastSquaresResult`, per problem.
+      fun, jac: the residuals ``[B, N]`` and the Jacobian ``[B, N, P]`` at
+        the solution, with ``full_output=True`` (else None).
+    """
+
+    x: tf.Tensor
+    cost: tf.Tensor
+    converged: tf.Tensor
+    status: tf.Tensor
+    iterations: tf.Tensor
+    covariance: tf.Tensor
+    perr: tf.Tensor
+    optimality: tf.Tensor
+    stationarity: tf.Tensor
+    damping: tf.Tensor
+    grad: tf.Tensor
+    active_mask: tf.Tensor
+    fun: tf.Tensor = None
+    jac: tf.Tensor = None
+
+    @property
+    def reason(self):
+        """Why each problem stopped, as text (a numpy array of strings)."""
+        return np.asarray(batched.BATCHED_REASONS, dtype=object)[
+            np.asarray(self.status).astype(np.int64)]
+
+
+BATCHED_REASONS = batched.BATCHED_REASONS
+
+
+def least_squares_batched(fun, x0, args=(), *, mask=None, bounds=None,
+                          loss="linear", f_scale=1.0, x_scale=None,
+                          max_iterations=100, controller="trust_region",
+                          scaling=None, solver="qr", max_attempts=10, gtol=None,
+                          xtol=None, ftol=None, batch_size=None,
+                          full_output=False, jit_compile=True):
+    """Solves B independent nonlinear least-squares problems at once.
+
+    Each problem ``b`` minimises ``0.5 * sum_i rho(fun(x, *args)[b, i]^2)``
+    over its own row ``x[b]``, exactly as `least_squares` would alone with the
+    same options (same iterations, stop reasons and solution, to round-off).
+
+    Args:
+      fun: ``fun(x, *args) -> [B, N]`` residuals from parameters ``x``
+        ``[B, P]`` (TensorFlow ops; row ``b`` may depend on ``x[b]`` and the
+        rows ``b`` of ``args`` only).
+      x0: ``[B, P]`` starts (float32 or float64; other inputs are cast).
+      args: a tuple of arrays with a leading batch axis ``B``, the
+        problems' data (chunked with them). Shared data: close over it.
+      mask: optional ``[B, N]`` bool, False where a residual is padding
+        (ragged problems): it is 0 whatever ``fun`` gives there and does not
+        count as a point.
+      bounds: ``(lower, upper)``, each a scalar, ``[P]`` (all problems) or
+        ``[B, P]`` (per problem); ``-inf``/``inf`` for none. A start outside
+        its box gives that problem status 8 (infeasible).
+      loss, f_scale, x_scale, max_iterations, controller, scaling, solver,
+        max_attempts, gtol, xtol, ftol: as `least_squares` (``solver`` "qr"
+        or "cholesky"; ``controller`` a name or a damping object).
+      batch_size: problems per compiled chunk (memory); default: about
+        ``2**24 / (N * P)`` with a GPU, ``2**20 / (N * P)`` without.
+      full_output: also return ``fun`` and ``jac`` at the solutions.
+      jit_compile: compile each chunk's solve with XLA.
+
+    Returns:
+      A `BatchedFitResult`.
+
+    Raises:
+      ValueError: a shape or an option that does not fit, naming it, before
+        anything runs.
+    """
+    x0, dtype = _parameters(x0, "x0")
+    batch = int(x0.shape[0])
+    if not isinstance(args, (tuple, list)):
+        raise ValueError("least_squares_batched: `args` must be a tuple of arrays "
+                         f"with a leading batch axis. Received: {type(args).__name__}")
+    per_fit = tuple(_batched(a, dtype if _is_float(a) else None, batch, f"args[{i}]")
+                    for i, a in enumerate(args))
+    if mask is not None:
+        mask = _mask(mask, batch, None, "mask")
+    return _solve("fun", fun, x0, per_fit, (), mask, bounds,
+                  dict(loss=loss, f_scale=f_scale, x_scale=x_scale,
+                       max_iterations=max_iterations, controller=controller,
+                       scaling=scaling, solver=solver, max_attempts=max_attempts,
+                       gtol=gtol, xtol=xtol, ftol=ftol),
+                  batch_size, full_output, jit_compile, absolute=False,
+                  name="least_squares_batched")
+
+
+def curve_fit(f, xdata, ydata, p0, sigma=None, bounds=(-np.inf, np.inf),
+              loss="linear", f_scale=1.0, *, absolute_sigma=False, mask=None,
+              xdata_per_fit=None, x_scale=None, max_iterations=100,
+              batch_size=None, full_output=False, dtype=None, **options):
+    """Fits ``ydata ~ f(xdata, params)`` for B data sets at once.
+
+    The batched ``scipy.optimize.curve_fit``: residuals ``(f(xdata, p) -
+    ydata) / sigma`` per data set, solved by `least_squares_batched`.
+
+    Args:
+      f: ``f(xdata, params) -> [B, N]`` with ``params`` ``[B, P]``
+        (TensorFlow ops, so one call computes every fit's model).
+      xdata: the independent variable: shared by all fits (any shape, e.g.
+        ``[N]`` or ``[2, N]``) or one per fit with a leading axis ``B``;
+        ``xdata_per_fit`` says which (default: per fit when its leading axis
+        is ``B`` and it has at least 2 dimensions).
+      ydata: ``[B, N]``, or ``[N]`` for one fit (then ``p0`` is ``[P]`` and
+        the result has no batch axis).
+      p0: ``[B, P]`` starts (``[P]`` for one fit).
+      sigma: None, ``[N]`` (all fits) or ``[B, N]``: each point's standard
+        deviation (1-D ``sigma`` of scipy's ``curve_fit``; a full covariance
+        matrix is not accepted). ``inf`` drops a point like ``mask``.
+      bounds, loss, f_scale: as scipy's ``curve_fit``/``least_squares``;
+        ``bounds`` sides scalar, ``[P]`` or ``[B, P]``.
+      absolute_sigma: as scipy: the covariance is not rescaled by the
+        reduced chi-square.
+      mask: optional ``[B, N]`` bool, False at padding (ragged data).
+      xdata_per_fit: True/False to say whether ``xdata`` has a batch axis.
+      x_scale, max_iterations, batch_size, full_output: as
+        `least_squares_batched`.
+      dtype: the solve's dtype (default: ``p0``'s when float, else float64).
+      **options: `least_squares_batched`'s other options (``solver``,
+        ``controller``, ``scaling``, ``gtol``, ``xtol``, ``ftol``,
+        ``max_attempts``, ``jit_compile``).
+
+    Returns:
+      A `BatchedFitResult`: ``x`` ``[B, P]``, ``cost``, ``converged``,
+      ``status``, ``covariance`` ``[B, P, P]``, ``perr``...
+
+    Example:
+
+    >>> t = np.linspace(0.0, 4.0, 40)
+    >>> rates = np.array([0.5, 1.0, 2.0])
+    >>> y = 3.0 * np.exp(-rates[:, None] * t)
+    >>> fit = tf_gradkit.curve_fit(
+    ...     lambda t, p: p[:, :1] * tf.exp(-p[:, 1:] * t), t, y, np.ones([3, 2]))
+    >>> np.round(fit.x.numpy(), 6).tolist()
+    [[3.0, 0.5], [3.0, 1.0], [3.0, 2.0]]
+    """
+    unknown = set(options) - {"solver", "controller", "scaling", "gtol", "xtol",
+                              "ftol", "max_attempts", "jit_compile"}
+    if unknown:
+        raise TypeError(f"curve_fit: unexpected keyword arguments {sorted(unknown)}.")
+    jit_compile = options.pop("jit_compile", True)
+    one = np.ndim(ydata) == 1
+    if one:
+        if np.ndim(p0) != 1:
+            raise ValueError("curve_fit: with one data set (`ydata` [N]) `p0` must be "
+                             f"[P]. Received: p0 of shape {np.shape(p0)}")
+        ydata, p0 = np.asarray(ydata)[None], np.asarray(p0)[None]
+        sigma = None if sigma is None else np.asarray(sigma)[None]
+        mask = None if mask is None else np.asarray(mask)[None]
+        if xdata_per_fit:
+            xdata = tf.nest.map_structure(lambda a: np.asarray(a)[None], xdata)
+        bounds = _single_bounds(bounds)
+    p0, dtype = _parameters(p0, "p0", dtype)
+    batch = int(p0.shape[0])
+    ydata = _batched(ydata, dtype, batch, "ydata", rank=2)
+    n = int(ydata.shape[1])
+    leaves = tf.nest.flatten(xdata)
+    if xdata_per_fit is None:
+        xdata_per_fit = all(np.ndim(a) >= 2 and np.shape(a)[0] == batch
+                            for a in leaves)
+    if xdata_per_fit:
+        xdata = tf.nest.map_structure(
+            lambda a: _batched(a, dtype if _is_float(a) else None, batch, "xdata"),
+            xdata)
+    else:
+        xdata = tf.nest.map_structure(
+            lambda a: tf.cast(a, dtype) if _is_float(a) else tf.convert_to_tensor(a),
+            xdata)
+    if sigma is None:
+        sigma = tf.ones([batch, n], dtype)
+    else:
+        s = np.shape(sigma)
+        if s not in ((n,), (batch, n)):
+            raise ValueError(
+                f"curve_fit: `sigma` must be [N] or [B, N] ([{n}] or [{batch}, "
+                f"{n}]), one standard deviation per point. Received: shape {s}")
+        sigma = tf.broadcast_to(tf.cast(sigma, dtype), [batch, n])
+    mask = (tf.ones([batch, n], tf.bool) if mask is None
+            else _mask(mask, batch, n, "mask"))
+    mask = mask & ~tf.math.is_inf(sigma)
+    per_fit = (xdata, ydata, sigma) if xdata_per_fit else ((), ydata, sigma)
+    shared = () if xdata_per_fit else (xdata,)
+    result = _solve("curve", f, p0, per_fit, shared, mask, bounds,
+                    dict(loss=loss, f_scale=f_scale, x_scale=x_scale,
+                         max_iterations=max_iterations, **options),
+                    batch_size, full_output, jit_compile, absolute=absolute_sigma,
+                    name="curve_fit")
+    if one:
+        result = BatchedFitResult(*[None if t is None else t[0] for t in result])
+    return result
+
+
+def _curve_residuals(f, per_fit, shared, mask):
+    xdata, ydata, sigma = per_fit
+    if shared:
+        xdata = shared[0]
+
+    def residual_fn(params):
+        model = f(xdata, params)
+        if model.shape.rank != 2 or model.shape[0] != ydata.shape[0] or \
+                model.shape[1] != ydata.shape[1]:
+            raise ValueError(
+                "curve_fit: `f(xdata, params)` must return [B, N] like `ydata` "
+                f"({ydata.shape.as_list()}) for `params` [B, P] "
+                f"({params.shape.as_list()}). Received: shape {model.shape}")
+        r = (tf.cast(model, ydata.dtype) - ydata) / sigma
+        return tf.where(mask, r, tf.zeros_like(r))
+
+    return residual_fn
+
+
+def _fun_residuals(fun, per_fit, shared, mask):
+    del shared
+
+    def residual_fn(x):
+        r = fun(x, *per_fit)
+        if r.shape.rank != 2 or r.shape[0] != x.shape[0]:
+            raise ValueError(
+                "least_squares_batched: `fun(x, *args)` must return [B, N] for "
+                f"`x` [B, P] ({x.shape.as_list()}). Received: shape {r.shape}")
+        if mask is not None and r.shape[1] != mask.shape[1]:
+            raise ValueError(
+                "least_squares_batched: `mask` must be [B, N] like the residuals "
+                f"of `fun` ({r.shape.as_list()}). Received: mask of shape "
+                f"{mask.shape.as_list()}")
+        r = tf.cast(r, x.dtype)
+        return r if mask is None else tf.where(mask, r, tf.zeros_like(r))
+
+    return residual_fn
+
+
+_RESIDUALS = {"fun": _fun_residuals, "curve": _curve_residuals}
+
+
+def _compiled(kind, fn, options, key, jit_compile, full_output):
+    """The chunk solve for ``fn`` and these options, from `solve_cache.SOLVES`
+    (`least_squares`'s cache; the tf.function keeps one trace per chunk
+    shape and dtype)."""
+
+    def build():
+        def chunk(x0, per_fit, shared, mask, lower, upper):
+            residual_fn = _RESIDUALS[kind](fn, per_fit, shared, mask)
+            box = (None if lower is None
+                   else batched_parts.BatchedBounds(lower, upper))
+            if mask is None:
+                n = residual_fn(x0).shape[1]
+                counts = tf.fill([x0.shape[0]], tf.constant(float(n), x0.dtype))
+            else:
+                counts = tf.reduce_sum(tf.cast(mask, x0.dtype), axis=1)
+            return batched.solve(residual_fn, x0, options, counts, box,
+                                 full_output), counts
+
+        return tf.function(chunk, jit_compile=jit_compile, autograph=False)
+
+    try:
+        function = solve_cache.function_key(fn)
+    except TypeError:
+        function = solve_cache.Identity(fn)
+    found, _ = solve_cache.SOLVES.lookup(
+        ("least_squares_batched", kind, function, key, jit_compile, full_output),
+        build)
+    return found
+
+
+def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
+           full_output, jit_compile, absolute, name):
+    dtype = x0.dtype
+    batch, p = int(x0.shape[0]), int(x0.shape[1])
+    options, key = _options(opts, dtype, p, name)
+    lower = upper = None
+    if bounds is not None:
+        lower, upper = _bounds(bounds, batch, p, dtype, name)
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
+            batch_size, (int, np.integer)) or batch_size < 1):
+        raise ValueError(f"{name}: `batch_size` must be an integer >= 1 or None. "
+                         f"Received: batch_size={batch_size!r}")
+    if mask is not None:
+        n_points = int(mask.shape[1])
+    elif batch_size is None:  # N from one problem's residuals
+        n_points = int(fn(x0[:1], *tf.nest.map_structure(lambda t: t[:1],
+                                                         per_fit)).shape[-1])
+    if batch_size is None:
+        budget = (CHUNK_ELEMENTS if tf.config.list_logical_devices("GPU")
+                  else CHUNK_ELEMENTS_CPU)
+        batch_size = max(1, budget // max(n_points * p, 1))
+    size = int(min(batch_size, batch))
+    solve = _compiled(kind, fn, options, key, jit_compile, full_output)
+    outputs = []
+    for start in range(0, batch, size):
+        stop = min(start + size, batch)
+
+        def take(t, start=start, stop=stop):
+            return _pad(t[start:stop], size)
+
+        out, counts = solve(
+            take(x0), tf.nest.map_structure(take, per_fit), shared,
+            None if mask is None else take(mask),
+            None if lower is None else take(lower),
+            None if upper is None else take(upper))
+        finite = tf.reduce_all(tf.math.is_finite(out.factor), axis=[1, 2])
+        cov = batched_parts.covariance(
+            tf.where(finite[:, None, None], out.factor, tf.zeros_like(out.factor)),
+            out.cost, counts, absolute)
+        cov = tf.where(finite[:, None, None], cov, tf.constant(np.nan, dtype))
+        keep = stop - start
+        outputs.append(tf.nest.map_structure(
+            lambda t, keep=keep: None if t is None else t[:keep], (out, cov)))
+    solutions = [o[0] for o in outputs]
+    sol = tf.nest.map_structure(
+        lambda *ts: None if ts[0] is None else tf.concat(ts, axis=0), *solutions)
+    cov = tf.concat([o[1] for o in outputs], axis=0)
+    status = sol.status
+    return BatchedFitResult(
+        x=sol.x, cost=sol.cost, converged=(status >= 1) & (status <= 3),
+        status=status, iterations=sol.iterations, covariance=cov,
+        perr=tf.sqrt(tf.linalg.diag_part(cov)), optimality=sol.optimality,
+        stationarity=sol.stationarity, damping=sol.damping, grad=sol.grad,
+        active_mask=sol.active_mask, fun=sol.fun, jac=sol.jac)
+
+
+def _pad(t, size):
+    """``t`` [k, ...] padded to ``size`` rows with copies of its first row."""
+    k = int(t.shape[0])
+    if k == size:
+        return t
+    return tf.concat([t, tf.repeat(t[:1], size - k, axis=0)], axis=0)
+
+
+def _is_float(a):
+    dtype = getattr(a, "dtype", None)
+    if dtype is None:
+        dtype = np.asarray(a).dtype
+    return tf.as_dtype(dtype).is_floating
+
+
+def _parameters(x0, name, dtype=None):
+    if dtype is None:
+        dtype = getattr(x0, "dtype", None)
+        dtype = (tf.as_dtype(dtype) if dtype is not None
+                 and tf.as_dtype(dtype) in (tf.float32, tf.float64) else tf.float64)
+    else:
+        dtype = tf.as_dtype(dtype)
+        if dtype not in (tf.float32, tf.float64):
+            raise ValueError("curve_fit: `dtype` must be float32 or float64. "
+                             f"Received: dtype={dtype.name}")
+    if np.iscomplexobj(x0) or (hasattr(x0, "dtype") and tf.as_dtype(
+            x0.dtype).is_complex):
+        raise ValueError(f"`{name}` must be real. Received: dtype {x0.dtype}")
+    x0 = tf.cast(x0, dtype)
+    if x0.shape.rank != 2 or x0.shape[0] == 0 or x0.shape[1] == 0:
+        raise ValueError(f"`{name}` must be [B, P] (B problems of P parameters, "
+                         f"both >= 1). Received: shape {x0.shape.as_list()}")
+    return x0, dtype
+
+
+def _batched(a, dtype, batch, name, rank=None):
+    t = tf.convert_to_tensor(a) if dtype is None else tf.cast(a, dtype)
+    if t.shape.rank == 0 or int(t.shape[0]) != batch or (
+            rank is not None and t.shape.rank != rank):
+        want = f"[B, ...] with B = {batch}" if rank is None else f"[{batch}, N]"
+        raise ValueError(f"`{name}` must be {want} (one row per problem, like the "
+                         f"starts). Received: shape {t.shape.as_list()}")
+    return t
+
+
+def _mask(mask, batch, n, name):
+    t = tf.convert_to_tensor(mask)
+    if t.dtype != tf.bool:
+        raise ValueError(f"`{name}` must be bool (False at padding). Received: "
+                         f"dtype {t.dtype.name}")
+    if t.shape.rank != 2 or int(t.shape[0]) != batch or (
+            n is not None and int(t.shape[1]) != n):
+        raise ValueError(f"`{name}` must be [B, N] = [{batch}, {n or 'N'}]. "
+                         f"Received: shape {t.shape.as_list()}")
+    return t
+
+
+def _single_bounds(bounds):
+    if bounds is None or hasattr(bounds, "lb"):
+        return bounds
+    if isinstance(bounds, (tuple, list)) and len(bounds) == 2:
+        return tuple(b if np.ndim(b) == 0 else np.asarray(b)[None] for b in bounds)
+    return bounds
+
+
+def _bounds(bounds, batch, p, dtype, name):
+    if hasattr(bounds, "lb") and hasattr(bounds, "ub"):
+        bounds = (bounds.lb, bounds.ub)
+    if not (isinstance(bounds, (tuple, list)) and len(bounds) == 2):
+        raise ValueError(f"{name}: `bounds` must be a pair (lower, upper). "
+                         f"Received: bounds={bounds!r}")
+    sides = []
+    for side, which in zip(bounds, ("lower", "upper")):
+        a = np.asarray(side, np.float64)
+        if a.shape not in ((), (p,), (batch, p)):
+            raise ValueError(
+                f"{name}: `bounds` {which} must be a scalar, [P] = [{p}] or "
+                f"[B, P] = [{batch}, {p}]. Received: shape {a.shape}")
+        sides.append(np.broadcast_to(a, (batch, p)))
+    lower, upper = sides
+    bad = ~(lower < upper)
+    if bad.any():
+        b, j = np.argwhere(bad)[0]
+        raise ValueError(f"{name}: every lower bound must be below its upper bound "
+                         f"(as scipy). Received: lower[{b}, {j}]={lower[b, j]}, "
+                         f"upper[{b}, {j}]={upper[b, j]}.")
+    if np.isinf(lower).all() and np.isinf(upper).all():
+        return None, None
+    return tf.constant(lower, dtype), tf.constant(upper, dtype)
+
+
+def _options(opts, dtype, p, name):
+    """(`batched.BatchedOptions`, a hashable key of them)."""
+    eps = float(np.finfo(dtype.as_numpy_dtype).eps)
+    max_iterations = opts["max_iterations"]
+    if isinstance(max_iterations, bool) or not isinstance(
+            max_iterations, (int, np.integer)) or max_iterations < 0:
+        raise ValueError(f"{name}: `max_iterations` must be an integer >= 0. "
+                         f"Received: max_iterations={max_iterations!r}")
+    max_attempts = opts.get("max_attempts", 10)
+    if isinstance(max_attempts, bool) or not isinstance(
+            max_attempts, (int, np.integer)) or max_attempts < 1:
+        raise ValueError(f"{name}: `max_attempts` must be an integer >= 1. "
+                         f"Received: max_attempts={max_attempts!r}")
+    tolerances = {k: opts.get(k) for k in ("gtol", "xtol", "ftol")}
+    for k, v in tolerances.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(
+                v, (int, float)) or not v >= 0):
+            raise ValueError(f"{name}: `{k}` must be a number >= 0 or None. "
+                             f"Received: {k}={v!r}")
+    if all(v is not None and v < eps for v in tolerances.values()):
+        raise ValueError(f"{name}: at least one of `gtol`, `xtol`, `ftol` must be "
+                         f"above the machine epsilon of {dtype.name} ({eps:.3g}). "
+                         f"Received: {tolerances}")
+    robust = RobustLoss(opts["loss"], opts["f_scale"])
+    controller = resolve_part(opts.get("controller", "trust_region"),
+                              damping_lib.CONTROLLERS, "controller")
+    solver_name = opts.get("solver", "qr")
+    if solver_name not in batched_parts.SOLVERS:
+        raise ValueError(f"{name}: `solver` must be one of "
+                         f"{sorted(batched_parts.SOLVERS)} for batched problems. "
+                         f"Received: solver={solver_name!r}")
+    solver = batched_parts.SOLVERS[solver_name]()
+    scaling, x_scale = opts.get("scaling"), opts.get("x_scale")
+    if x_scale is not None:
+        if scaling is not None:
+            raise ValueError(f"{name}: pass `scaling` or `x_scale`, not both. "
+                             f"Received: scaling={scaling!r}, x_scale={x_scale!r}")
+        if isinstance(x_scale, str):
+            if x_scale != "jac":
+                raise ValueError(f"{name}: `x_scale` must be 'jac' or positive "
+                                 f"numbers. Received: x_scale={x_scale!r}")
+            scaling = damping_lib.Marquardt()
+        else:
+            scaling = damping_lib.XScale(x_scale)
+            scaling.init(p, dtype)  # checks the count
+    if scaling is None:
+        scaling = "marquardt" if robust.is_linear else "hybrid"
+    scaling = resolve_part(scaling, damping_lib.SCALINGS, "scaling")
+    options = batched.BatchedOptions(
+        controller=controller, scaling=scaling, solver=solver, loss=robust,
+        max_iterations=int(max_iterations), max_attempts=int(max_attempts),
+        gtol=eps if tolerances["gtol"] is None else float(tolerances["gtol"]),
+        xtol=eps ** 0.75 if tolerances["xtol"] is None else float(tolerances["xtol"]),
+        ftol=4 * eps if tolerances["ftol"] is None else float(tolerances["ftol"]))
+
+    part_key = solve_cache.part_key
+    key = (part_key(controller), part_key(scaling), solver_name, robust.name,
+           robust.f_scale, options.max_iterations, options.max_attempts,
+           options.gtol, options.xtol, options.ftol, dtype.name)
+    return options, key

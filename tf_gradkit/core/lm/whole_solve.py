@@ -1,0 +1,417 @@
+"""A whole Levenberg-Marquardt solve, in parts: `least_squares`'s loop.
+
+`solve` runs the phases a scaling asks for (one, or a restart policy's
+several, `restart`); each phase (`run_phase`) is a ``tf.while_loop`` of
+iterations (`iteration`: linearise, test the gradient, take one
+`step.levenberg_marquardt_step`, read its stop code with `step_code`) and
+ends with `final_code`, which turns a tolerance stop far from a minimum into
+`StopReason.STALLED`. Everything here is graph code over a `Problem` fixed at
+trace time and `Tolerances` that may be tensors (inputs of a cached solve).
+"""
+
+import enum
+from typing import Any, Callable, NamedTuple, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gradkit.core.lm import bounds as bounds_lib
+from tf_gradkit.core.lm import geodesic as geodesic_lib
+from tf_gradkit.core.lm import linearize as lin_lib
+from tf_gradkit.core.lm import linear_solvers as solvers_lib
+from tf_gradkit.core.lm import step as step_lib
+from tf_gradkit.core.lm.robust import RobustLoss
+
+
+class StopReason(enum.IntEnum):
+    """Why a solve stopped: `LeastSquaresResult.reason_code`.
+
+    The values are the codes `least_squares` has always returned, unchanged.
+    1-3 are scipy's ``gtol``/``xtol``/``ftol`` conditions, but the numbers
+    are not scipy's ``status`` (there: 1 gtol, 2 ftol, 3 xtol, 4 both, 0 the
+    evaluation limit). 1-3 count as converged (`converged`).
+    """
+
+    RUNNING = 0
+    GRADIENT_TOLERANCE = 1
+    STEP_TOLERANCE = 2
+    COST_TOLERANCE = 3
+    ITERATION_LIMIT = 4
+    NO_ACCEPTABLE_STEP = 5
+    STALLED = 6
+    NON_FINITE_START = 7
+
+    @property
+    def description(self):
+        """The reason as text (`LeastSquaresResult.reason`)."""
+        return DESCRIPTIONS[self]
+
+    @property
+    def converged(self):
+        return StopReason.GRADIENT_TOLERANCE <= self <= StopReason.COST_TOLERANCE
+
+
+DESCRIPTIONS = {
+    StopReason.RUNNING: "running",
+    StopReason.GRADIENT_TOLERANCE: "gradient tolerance",
+    StopReason.STEP_TOLERANCE: "step tolerance",
+    StopReason.COST_TOLERANCE: "cost tolerance",
+    StopReason.ITERATION_LIMIT: "iteration limit",
+    StopReason.NO_ACCEPTABLE_STEP: "no acceptable step (damping exhausted)",
+    StopReason.STALLED: (
+        "stalled far from a minimum (steps stopped while the gradient is not "
+        "small: try another start or rescale the parameters)"),
+    StopReason.NON_FINITE_START: (
+        "non-finite start (the parameters or the residuals at the start are "
+        "inf or NaN)"),
+}
+
+# A tolerance stop counts as converged only where r is round-off (see
+# `final_code`) or the gradient is small: the cosine between r and the
+# Jacobian's columns, max_j |J_j.r| / (|J_j| |r|) (MINPACK's gtol measure), at
+# most this; or, where that cosine misreads a minimum at which a column
+# vanishes while r does not (r = (x - a)^2 + 5 at x = a: cosine 1), the same
+# cosine with each column at its largest norm over the run (`stationarity`:
+# scipy's gradient scaled by x_scale='jac', over |r|) at most this and
+# Dennis-Schnabel's relative gradient max_j |g_j| max(|x_j|, 1) / cost at
+# most eps^(1/3) (the largest norms alone passed Jennrich-Sampson from 10x0,
+# stopped at f = 5e28 with a relative gradient of 66). The nonzero-residual
+# NIST runs end below 2e-8; tolerance stops far from any minimum of the MGH
+# problems end above 1e-2 (docs/levenberg_marquardt.md).
+STATIONARY_COSINE = 1e-3
+
+
+def _code(reason):
+    return int(reason)
+
+
+class Problem(NamedTuple):
+    """What a solve minimises, fixed at trace time.
+
+    Attributes:
+      residual_fn: zero-argument residual function (as the trace calls it).
+      variables: the ``tf.Variable``s fitted in place.
+      dtype: the solve's dtype.
+      robust: the `RobustLoss`.
+      solver: the linear solver part.
+      max_iterations, max_attempts: Python ints.
+      geodesic: a `geodesic.GeodesicAcceleration` or None.
+    """
+
+    residual_fn: Callable
+    variables: list
+    dtype: tf.DType
+    robust: RobustLoss
+    solver: Any
+    max_iterations: int
+    max_attempts: int
+    geodesic: Optional[geodesic_lib.GeodesicAcceleration] = None
+
+    @property
+    def num_params(self):
+        return sum(v.shape.num_elements() for v in self.variables)
+
+    @property
+    def eps(self):
+        return float(np.finfo(self.dtype.as_numpy_dtype).eps)
+
+    @property
+    def matrix_free(self):
+        return self.solver.consumes == solvers_lib.MATRIX_FREE
+
+
+def make_problem(residual_fn, variables, dtype, robust, solver, max_iterations,
+                 max_attempts, geodesic_acceleration=False):
+    """A `Problem`; ``geodesic_acceleration`` as `least_squares` takes it."""
+    geodesic = None
+    if geodesic_acceleration:
+        alpha = 0.75 if geodesic_acceleration is True else float(geodesic_acceleration)
+        geodesic = geodesic_lib.GeodesicAcceleration(residual_fn, alpha=alpha)
+    return Problem(residual_fn, list(variables), dtype, robust, solver,
+                   max_iterations, max_attempts, geodesic)
+
+
+class Tolerances(NamedTuple):
+    """``gtol``, ``xtol``, ``ftol`` as scalars of the solve's dtype."""
+
+    gtol: Any
+    xtol: Any
+    ftol: Any
+
+
+class PhaseResult(NamedTuple):
+    """One phase's end: iterations, stop code, damping, cost, stationarity."""
+
+    iterations: tf.Tensor
+    code: tf.Tensor
+    damping: tf.Tensor
+    cost: tf.Tensor
+    stationarity: tf.Tensor
+
+
+def cost(problem):
+    """The cost at the variables' values: ``0.5 sum r^2``, or the robust
+    loss's."""
+    r = tf.cast(tf.reshape(problem.residual_fn(), [-1]), problem.dtype)
+    if problem.robust.is_linear:
+        return 0.5 * tf.reduce_sum(tf.square(r))
+    return problem.robust.cost(r)
+
+
+class Linearizer:
+    """Linearises a `Problem` at the variables' values, in a solver's form.
+
+    Each form is traced once, as a function the loop and the final point
+    both call (the vectorised Jacobian is the largest part of the trace); a
+    matrix-free linearisation holds a closure and is traced where it is used.
+    """
+
+    def __init__(self, problem):
+        self.problem = problem
+        robust = problem.robust
+        self.step_fn = (problem.residual_fn if robust.is_linear
+                        else robust.scaled(problem.residual_fn, problem.dtype))
+        self._traced = {}
+
+    def here(self, form):
+        p = self.problem
+        lin = lin_lib.linearize_as(form, self.step_fn, p.variables, p.dtype)
+        return lin if p.robust.is_linear else lin._replace(cost=cost(p))
+
+    def __call__(self, form=None):
+        form = self.problem.solver.consumes if form is None else form
+        if form == solvers_lib.MATRIX_FREE:
+            return self.here(form)
+        if form not in self._traced:
+            self._traced[form] = tf.function(lambda: self.here(form), autograph=False)
+        return self._traced[form]()
+
+    def final(self):
+        """The linearisation at the solution: with the Jacobian, unless the
+        solver is matrix-free."""
+        return self(self.problem.solver.consumes if self.problem.matrix_free
+                    else solvers_lib.JACOBIAN)
+
+
+def held(problem, box, lin):
+    """``lin`` with the parameters held on a bound frozen."""
+    if box is None:
+        return lin
+    x = lin_lib.flatten(problem.variables, problem.dtype)
+    return bounds_lib.freeze(lin, box.frozen(x, lin.jtr))
+
+
+def column_norms(lin):
+    """The Jacobian's column norms (zeros for a matrix-free linearisation)."""
+    if lin.jtj is None:
+        return tf.zeros_like(lin.jtr)
+    return tf.sqrt(tf.maximum(tf.linalg.diag_part(lin.jtj), 0.0))
+
+
+def step_code(problem, tolerances, info):
+    """The stop code after one step (`step.StepInfo`), 0 to go on.
+
+    An accepted step stops on ``xtol`` (a small step) or ``ftol`` (a small
+    decrease). Every attempt rejected: converged at round-off if the model
+    promises no real decrease, or if even the least damped step moves x by
+    less than sqrt(eps) (the cost cannot resolve it); given up if the most
+    damped step is that small too. Otherwise go on: the next iteration
+    starts from the damping (or trust radius) the rejections left.
+    """
+    dtype, eps = problem.dtype, problem.eps
+    xtol, ftol = tolerances.xtol, tolerances.ftol
+    x_norm = tf.norm(lin_lib.flatten(problem.variables, dtype))
+    small_step = info.accepted & (info.step_norm <= xtol * (xtol + x_norm))
+    small_drop = info.accepted & (info.cost - info.new_cost <= ftol * info.cost)
+    stalled = ~info.accepted
+    resolution = tf.sqrt(tf.constant(eps, dtype)) * (1e-8 + x_norm)
+    flat = stalled & (info.predicted <= ftol * info.cost)
+    tiny = stalled & (info.first_step_norm <= resolution)
+    exhausted = stalled & (info.last_step_norm <= resolution)
+    return tf.where(
+        flat, _code(StopReason.COST_TOLERANCE), tf.where(
+            tiny, _code(StopReason.STEP_TOLERANCE), tf.where(
+                exhausted, _code(StopReason.NO_ACCEPTABLE_STEP), tf.where(
+                    small_step, _code(StopReason.STEP_TOLERANCE), tf.where(
+                        small_drop, _code(StopReason.COST_TOLERANCE),
+                        _code(StopReason.RUNNING))))))
+
+
+def iteration(problem, linearize, box, tolerances, scaling, controller,
+              it, reason, state, last_cost, largest):
+    """One iteration of a phase's loop: linearise, stop on a small gradient
+    or take a step. The loop's carry: ``(it, reason, state, cost, largest
+    column norms)``."""
+    del reason, last_cost
+    lin = held(problem, box, linearize())
+    largest = tf.maximum(largest, column_norms(lin))
+    grad_small = tf.reduce_max(tf.abs(lin.jtr)) <= tolerances.gtol * tf.maximum(
+        lin.cost, 1.0)
+
+    def take_step():
+        new_state, info = step_lib.levenberg_marquardt_step(
+            lin, lambda: cost(problem), problem.variables, state,
+            controller=controller, scaling=scaling, solver=problem.solver,
+            max_attempts=problem.max_attempts, geodesic=problem.geodesic,
+            bounds=box)
+        return new_state, info.new_cost, step_code(problem, tolerances, info)
+
+    new_state, new_cost, code = tf.cond(
+        grad_small,
+        lambda: (state, lin.cost, tf.constant(_code(StopReason.GRADIENT_TOLERANCE))),
+        take_step)
+    return it + 1, code, new_state, new_cost, largest
+
+
+def run_phase(problem, linearize, box, tolerances, scaling, controller, start_cost):
+    """One whole run from the variables' values: ``(PhaseResult, final
+    linearisation)``; the variables end at its solution."""
+    dtype, num_params = problem.dtype, problem.num_params
+    state = step_lib.init_state(controller, scaling, num_params, dtype)
+    # A start with a non-finite parameter or cost is refused eagerly
+    # (`least_squares`); in a graph the solve stops before its first step.
+    x_start = lin_lib.flatten(problem.variables, dtype)
+    finite = (tf.reduce_all(tf.math.is_finite(x_start))
+              & tf.math.is_finite(start_cost))
+
+    def body(*carry):
+        return iteration(problem, linearize, box, tolerances, scaling, controller,
+                         *carry)
+
+    it, code, state, _, largest = tf.while_loop(
+        lambda it, reason, *_: (reason == 0) & (it < problem.max_iterations), body,
+        (tf.constant(0), tf.where(finite, 0, _code(StopReason.NON_FINITE_START)),
+         state, tf.constant(0.0, dtype), tf.zeros([num_params], dtype)),
+        maximum_iterations=problem.max_iterations)
+    code = tf.where(code == 0, _code(StopReason.ITERATION_LIMIT), code)
+    final = linearize.final()
+    code, cosine = final_code(problem, box, code, final, largest, start_cost)
+    return PhaseResult(it, code, state.damping, final.cost, cosine), final
+
+
+def final_code(problem, box, code, final, largest, start_cost):
+    """``(code, stationarity)``: a tolerance stop (2, 3) that is neither
+    stationary nor at round-off becomes `StopReason.STALLED`.
+
+    Stationary: the cosine small with the columns' current norms, or, where
+    a column has shrunk (a minimum where it vanishes while r does not),
+    small with their largest norms and the gradient small relative to the
+    cost (Dennis-Schnabel's relative gradient max_j |g_j| max(|x_j|, 1) /
+    cost <= eps^(1/3)). At round-off: the residuals' largest component along
+    a column of J, cosine * |r|, at most sqrt(eps) (a zero-residual
+    solution has |r| at round-off, where its direction means nothing), or
+    the cost down to eps times its start.
+    """
+    dtype, eps = problem.dtype, problem.eps
+    kept = held(problem, box, final)
+    now = column_norms(kept)
+    cosine_now, r_norm = stationarity(kept, now)
+    cosine, _ = stationarity(kept, tf.maximum(largest, now))
+    x_abs = tf.abs(lin_lib.flatten(problem.variables, dtype))
+    tiny = tf.constant(np.finfo(dtype.as_numpy_dtype).tiny, dtype)
+    relative = tf.reduce_max(tf.abs(kept.jtr) * tf.maximum(x_abs, 1.0)) / (
+        tf.maximum(final.cost, tiny))
+    stationary = ((cosine_now <= STATIONARY_COSINE)
+                  | ((cosine <= STATIONARY_COSINE)
+                     & (relative <= eps ** (1.0 / 3.0))))
+    along = cosine_now * r_norm
+    far = ((code >= _code(StopReason.STEP_TOLERANCE))
+           & (code <= _code(StopReason.COST_TOLERANCE)) & ~stationary
+           & (along > tf.sqrt(tf.constant(eps, dtype)))
+           & (final.cost > eps * start_cost))
+    return tf.where(far, _code(StopReason.STALLED), code), cosine
+
+
+def restart(problem, linearize, box, tolerances, phase, first, x0, start_cost):
+    """The next phase of a restart policy, only where ``first`` ended
+    unconverged (iteration limit, no acceptable step, stalled far from a
+    minimum): it starts from ``x0`` again and the lower cost of the two is
+    kept (the variables end at its point). Returns the kept `PhaseResult`
+    (iterations of both added)."""
+    variables, dtype = problem.variables, problem.dtype
+
+    def another():
+        x_first = lin_lib.flatten(variables, dtype)
+        assign(variables, x0)
+        second, _ = run_phase(problem, linearize, box, tolerances, *phase, start_cost)
+        better = (second.cost < first.cost) | ~tf.math.is_finite(first.cost)
+        assign(variables, tf.where(better, lin_lib.flatten(variables, dtype), x_first))
+        kept = tf.nest.map_structure(lambda a, b: tf.where(better, a, b),
+                                     second, first)
+        return kept._replace(iterations=first.iterations + second.iterations)
+
+    unconverged = ((first.code >= _code(StopReason.ITERATION_LIMIT))
+                   & (first.code != _code(StopReason.NON_FINITE_START)))
+    return tf.cond(unconverged, another, lambda: first)
+
+
+def assign(variables, flat):
+    """Writes a flat vector into the variables."""
+    for v, value in zip(variables, lin_lib.unflatten(flat, variables)):
+        v.assign(value)
+
+
+def solve(problem, tolerances, box, phases, with_covariance):
+    """The whole solve: ``(iterations, code, damping, cost, optimality,
+    stationarity, x, fun, jac, grad, active_mask, covariance)``.
+
+    Args:
+      problem: the `Problem`.
+      tolerances: `Tolerances`.
+      box: a `bounds.Bounds` or None.
+      phases: ``[(scaling, controller), ...]``: one, or a restart policy's.
+      with_covariance: compute the covariance here (else None: under XLA it
+        is computed outside, see `least_squares`).
+    """
+    variables, dtype = problem.variables, problem.dtype
+    linearize = Linearizer(problem)
+    if box is not None and not tf.executing_eagerly():
+        assign(variables, box.clip(lin_lib.flatten(variables, dtype)))
+    start_cost = cost(problem)
+    x0 = lin_lib.flatten(variables, dtype)
+    out, final = run_phase(problem, linearize, box, tolerances, *phases[0], start_cost)
+    for phase in phases[1:]:
+        out = restart(problem, linearize, box, tolerances, phase, out, x0, start_cost)
+    if len(phases) > 1:  # the kept phase's point: linearised again there
+        final = linearize.final()
+    x = lin_lib.flatten(variables, dtype)
+    fun = tf.cast(tf.reshape(problem.residual_fn(), [-1]), dtype)
+    mask = (tf.zeros([problem.num_params], tf.int32) if box is None
+            else box.active_mask(x))
+    scaled = final.jtr if box is None else final.jtr * box.coleman_li(x, final.jtr)
+    optimality = tf.reduce_max(tf.abs(scaled))
+    pcov = (covariance(final.jacobian, final.cost)
+            if with_covariance and final.jacobian is not None else None)
+    return (out.iterations, out.code, out.damping, final.cost, optimality,
+            out.stationarity, x, fun, final.jacobian, final.jtr, mask, pcov)
+
+
+def covariance(jac, cost_value):
+    """``curve_fit``'s ``pcov`` from the Jacobian and the cost at the
+    solution (one thin SVD of ``jac``, P x P)."""
+    dtype = jac.dtype
+    n = tf.cast(tf.shape(jac)[0], dtype)
+    p = tf.shape(jac)[1]
+    s, _, v = tf.linalg.svd(jac, full_matrices=False)
+    eps = tf.experimental.numpy.finfo(dtype.as_numpy_dtype).eps
+    kept = s > eps * tf.maximum(n, tf.cast(p, dtype)) * s[0]
+    inverse = tf.where(kept, 1.0 / tf.where(kept, s, tf.ones_like(s)) ** 2,
+                       tf.zeros_like(s))
+    pcov = tf.matmul(v * inverse[None, :], v, transpose_b=True)
+    dof = n - tf.cast(p, dtype)
+    return tf.where(dof > 0, pcov * (2.0 * cost_value / tf.where(dof > 0, dof, 1.0)),
+                    tf.fill([p, p], tf.constant(float("inf"), dtype)))
+
+
+def stationarity(lin, largest):
+    """``(max_j |J_j . r| / (largest_j |r|), |r|)``, ``r`` the step residuals
+    (0 where a column or r is zero)."""
+    if lin.jtj is None:
+        zero = tf.zeros([], lin.jtr.dtype)
+        return zero, zero
+    r_norm = (tf.norm(lin.residuals) if lin.residuals is not None
+              else tf.sqrt(2.0 * lin.cost))
+    denominator = largest * r_norm
+    return tf.reduce_max(tf.where(denominator > 0, tf.abs(lin.jtr) / tf.where(
+        denominator > 0, denominator, tf.ones_like(denominator)),
+        tf.zeros_like(denominator))), r_norm
