@@ -74,6 +74,9 @@ def solve_least_squares(residual_fn, x0, args=(), **options):
     var = _variable_like(x0)
     var.assign(x0)
     fixed = [tf.stop_gradient(a) for a in args]
+    # Each call solves in a new variable over new tensors: a cached solve
+    # could never be found again, so none is stored (unless asked).
+    options.setdefault("cache", False)
     result = least_squares(lambda: residual_fn(var, *fixed), [var], **options)
     with tf.control_dependencies([result.cost]):
         solution = tf.identity(var.read_value())

@@ -1,8 +1,10 @@
 """``least_squares``: a whole Levenberg-Marquardt solve in one compiled loop.
 
 Minimises ``0.5 * sum(residual_fn()**2)`` over ``var_list`` with the LM
-iteration of `step.py` inside one ``tf.while_loop`` (and, by default, one
-XLA compilation): no host round-trip per iteration.
+iteration of `step.py` inside one ``tf.while_loop`` in one ``tf.function``
+(compiled by XLA from `AUTO_XLA_PARAMS` parameters up): no host round-trip
+per iteration. The traced solve is kept in `solve_cache.SOLVES`, so a
+repeated call only runs; the loop's stages are in `whole_solve.py`.
 """
 
 import types

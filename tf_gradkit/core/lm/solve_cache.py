@@ -16,7 +16,8 @@ What is in a key (`function_key`, `part_key`, `value_key`, `variables_key`):
   levels); for a bound method, its object's attributes (one level). A
   number, a string, a tuple, a list or a dict is compared by value, a NumPy
   array by its shape, dtype and bytes, a tensor or anything else by
-  identity. A ``tf.Variable`` is read live by the trace, so its value may
+  identity (a list, tuple or dict of more than `MAX_ITEMS` items, or
+  nested deeper than `MAX_DEPTH`, by identity too). A ``tf.Variable`` is read live by the trace, so its value may
   change freely; rebinding a captured name to another tensor or array is a
   new key (a new trace), never a stale result;
 - each variable by identity, with its shape and dtype;
@@ -47,6 +48,9 @@ import tensorflow as tf
 DEFAULT_MAXSIZE = 16
 # How deep `function_key` follows the Python functions a function calls.
 MAX_DEPTH = 3
+# Lists, tuples and dicts up to this many items are compared item by item
+# (to `MAX_DEPTH` levels), longer ones by identity.
+MAX_ITEMS = 256
 # NumPy arrays up to this many bytes are compared by their bytes, larger
 # ones by a BLAKE2b digest of them.
 INLINE_BYTES = 4096
@@ -172,14 +176,16 @@ def value_key(value, depth=MAX_DEPTH, seen=None):
         if len(data) > INLINE_BYTES:
             data = hashlib.blake2b(data, digest_size=16).digest()
         return (np.ndarray, value.shape, value.dtype.str, data)
+    if isinstance(value, (tuple, list, dict)) and (depth <= 0 or len(value) > MAX_ITEMS):
+        return Identity(value)
     if isinstance(value, (tuple, list)):
-        return (type(value), tuple(value_key(v, depth, seen) for v in value))
+        return (type(value), tuple(value_key(v, depth - 1, seen) for v in value))
     if isinstance(value, dict):
         try:
             items = sorted(value.items(), key=lambda kv: repr(kv[0]))
         except Exception:  # noqa: BLE001 - unsortable keys: identity instead
             return Identity(value)
-        return (dict, tuple((repr(k), value_key(v, depth, seen)) for k, v in items))
+        return (dict, tuple((repr(k), value_key(v, depth - 1, seen)) for k, v in items))
     if isinstance(value, (types.FunctionType, types.MethodType)):
         return function_key(value, depth, seen)
     return Identity(value)
