@@ -18,6 +18,8 @@ the uninterrupted one then run the same graph on the same data: equal to
 the last bit.
 """
 
+import json
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -294,3 +296,33 @@ def test_h5_names_are_unique(K, gk):
     _fit(model, *regression_data(n=8))
     names = [v.name for v in opt.variables]
     assert len(names) == len(set(names)), names
+
+
+@pytest.mark.parametrize("written_by", ["this tf_keras", "tf_keras <= 2.18"])
+def test_h5_registered_constraint_loads_in_either_saved_form(K, gk, tmp_path, written_by):
+    # tf_keras <= 2.18 writes a registered function's bare name in "config"
+    # (its registered name beside it), 2.19+ "package>name"; tf_gradkit
+    # writes "package>name" on every version and loads both forms.
+    if FLAVOUR != "tf_keras":
+        pytest.skip("Keras 3 keeps no optimizer in .h5")
+    import h5py  # noqa: PLC0415  (TensorFlow's own dependency)
+    x, y = regression_data(n=8)
+    model = mlp(K)
+    model.compile(optimizer=_optimizers(K, gk)["lagrangian"](model), loss="mse")
+    _fit(model, x, y)
+    path = str(tmp_path / "m.h5")
+    model.save(path)
+    with h5py.File(path, "r+") as f:
+        training = json.loads(f.attrs["training_config"])
+        saved = training["optimizer_config"]["config"]["constraints"][0]["fn"]
+        assert saved["config"] == "tests>mean_output_at_most_half", saved
+        if written_by == "tf_keras <= 2.18":
+            saved.update(config="mean_output_at_most_half", module="a_module_not_imported")
+            f.attrs["training_config"] = json.dumps(training)
+    loaded = K.models.load_model(path)
+    assert loaded.optimizer._specs[0].fn is mean_output_at_most_half
+    loaded.optimizer.build(loaded.trainable_variables)
+    assert max_abs_diff(variables_of(model.optimizer), variables_of(loaded.optimizer)) == 0
+    _fit(model, x, y)
+    _fit(loaded, x, y)
+    assert max_abs_diff(weights_of(model), weights_of(loaded)) == 0
