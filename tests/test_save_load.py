@@ -68,7 +68,8 @@ def _optimizers(K, gk):
 
 FORMATS = ["keras", "checkpoint"] + (["savedmodel", "h5"] if FLAVOUR == "tf_keras" else [])
 NAMES = ["accumulator", "levenberg-marquardt", "projected", "lagrangian", "frank-wolfe",
-         "accumulator-projected"] + (["multioptimizer"] if FLAVOUR == "keras3" else [])
+         "accumulator-projected"] + (["multioptimizer"]  # Keras 3.15+
+                                     if hasattr(K_.optimizers, "MultiOptimizer") else [])
 
 
 def _fit(model, x, y):
