@@ -133,8 +133,10 @@ if [ -n "$SDIST_TESTS" ] && [ -n "$LAST_VENV" ]; then
   for flavour in keras3 tf_keras; do
     if [ $flavour = keras3 ]; then legacy=0; mark=$MARK3; else legacy=1; mark=$MARK2; fi
     log=$OUT/logs/sdist-$flavour.log
+    # bin/pytest, not python -m pytest: the cwd stays off sys.path, so the
+    # tf_gradkit installed from the sdist is the one imported.
     (cd "$SRC" && TF_USE_LEGACY_KERAS=$legacy TF_CPP_MIN_LOG_LEVEL=2 \
-       "$LAST_VENV/bin/python" -m pytest -q -p no:cacheprovider -rfE -m "$mark" $SDIST_TESTS) >"$log" 2>&1
+       "$LAST_VENV/bin/pytest" -q -p no:cacheprovider -rfE -m "$mark" $SDIST_TESTS) >"$log" 2>&1
     echo "   sdist $flavour: $(summary "$log")"
   done
   "$LAST_VENV/bin/python" -m pip install -q --force-reinstall --no-deps "$WHEEL" >/dev/null 2>&1
