@@ -70,7 +70,7 @@ fi
 
 summary() {  # the counts on pytest's last line, or what went wrong
   local line
-  line=$(grep -E '^=*.*(passed|failed|error|skipped|no tests ran).* in [0-9.]+s' "$1" | tail -1 \
+  line=$(grep -E '^=*.*(passed|failed|error|skipped|deselected|no tests ran).* in [0-9.]+s' "$1" | tail -1 \
          | sed -E 's/^=+ //; s/ =+$//; s/ in [0-9.]+s.*//')
   echo "${line:-did not run (see $1)}"
 }
