@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: demo test test-keras3 test-tf-keras test-keras3-local test-tf-keras-local test-gpu test-slow bench clean
+.PHONY: demo test test-keras3 test-tf-keras test-keras3-local test-tf-keras-local test-gpu test-slow test-compat bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -98,6 +98,14 @@ test-gpu: $(STAMP)
 test-slow: $(STAMP)
 	TF_USE_LEGACY_KERAS=0 $(PYTEST) -m slow
 	TF_USE_LEGACY_KERAS=1 $(PYTEST) -m "slow and not keras_free"
+
+# Not part of `make test` (it downloads several GB the first time): build the
+# wheel and sdist, install the wheel into a fresh venv per pinned row (oldest,
+# a middle and the newest TensorFlow, the oldest Keras 3) under .compat/, run
+# the tests there per flavour and print the table (docs/compatibility.md).
+# `make test-compat TESTS="tests/test_projected.py" ROWS="tf2.16"` runs a part.
+test-compat:
+	PYTHON="$(PYTHON)" ./scripts/compat.sh
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[bench]"

@@ -372,7 +372,8 @@ def test_registered_function_saved_by_bare_name_loads(K, gk):
     cls = type(_with(gk, K, "AugmentedLagrangian", fn))
     assert _fn_of(cls.from_config(config)) is fn
     old = dict(config, constraints=[dict(config["constraints"][0], fn=dict(
-        saved, module="builtins", config="bare_named_constraint"))])
+        saved, module="builtins", config="bare_named_constraint",
+        registered_name="bare_named_constraint"))])
     assert _fn_of(cls.from_config(old)) is fn
 
 
@@ -387,10 +388,32 @@ def test_a_bare_name_registered_twice_is_refused(K, gk):
     config = _with(gk, K, "AugmentedLagrangian", first).get_config()
     saved = config["constraints"][0]["fn"]
     old = dict(config, constraints=[dict(config["constraints"][0], fn=dict(
-        saved, module="builtins", config="twice_named"))])
+        saved, module="builtins", config="twice_named", registered_name="twice_named"))])
     with pytest.raises(ValueError, match=r"bare name 'twice_named'.*tests_fresh_a>twice_named"
                        r".*tests_fresh_b>twice_named.*custom_objects"):
         type(_with(gk, K, "AugmentedLagrangian", first)).from_config(old)
+
+
+def test_registered_name_beside_a_bare_name_picks_the_function(K, gk):
+    # tf_keras <= 2.18 wrote a registered function as {"config": bare name,
+    # "registered_name": "package>name", "module": its module}: the
+    # registered name decides, even where two packages share the bare name
+    # and the module is not imported. We write "package>name" in "config" on
+    # every version.
+    def make(bound):
+        def paired_name(y_pred, batch):
+            del batch
+            return tf.reduce_mean(y_pred) - bound
+        return paired_name
+    K.saving.register_keras_serializable(package="tests_pair_a")(make(0.0))
+    second = K.saving.register_keras_serializable(package="tests_pair_b")(make(1.0))
+    config = _with(gk, K, "AugmentedLagrangian", second).get_config()
+    saved = config["constraints"][0]["fn"]
+    assert saved["config"] == saved["registered_name"] == "tests_pair_b>paired_name"
+    old = dict(config, constraints=[dict(config["constraints"][0], fn=dict(
+        saved, module="a_module_not_imported", config="paired_name"))])
+    cls = type(_with(gk, K, "AugmentedLagrangian", second))
+    assert _fn_of(cls.from_config(old)) is second
 
 
 @pytest.mark.parametrize("name", ["GradientAccumulator", "AugmentedLagrangian"])

@@ -297,16 +297,21 @@ class OptimizerHost:
         module does not hold under its name).
 
         A registered function (``keras.saving.register_keras_serializable``,
-        wherever it is defined) is saved as Keras saves it:
-        ``package>name``. For any other function defined at a module's top
+        wherever it is defined) is saved as Keras saves it, under
+        ``package>name`` on every Keras version (tf_keras <= 2.18 and Keras
+        <= 3.6 write the bare name there, which another package may share). For any other function defined at a module's top
         level (or in a class body) Keras would write only its bare name (under
         the module ``"builtins"`` or, in tf_keras's HDF5 and SavedModel
         files, alone); we write its module and qualified name, so that it
         loads back (`_load_function`)."""
         if not inspect.isfunction(fn) or fn.__name__ == "<lambda>":
             return {}
-        if ">" in self.KERAS.saving.get_registered_name(fn):
-            return {"fn": self._serialize(fn)}
+        registered = self.KERAS.saving.get_registered_name(fn)
+        if ">" in registered:
+            saved = self._serialize(fn)
+            if isinstance(saved, dict):  # tf_keras <= 2.18, Keras <= 3.6: bare name
+                saved = dict(saved, config=registered, registered_name=registered)
+            return {"fn": saved}
         qualname = fn.__qualname__
         if ("<" in qualname or fn.__closure__ is not None
                 or _imported_function(fn.__module__, qualname) is not fn):
@@ -318,8 +323,9 @@ class OptimizerHost:
     def _load_function(cls, saved, custom_objects):
         """The function `_saved_function` saved, looked up in
         ``custom_objects``, then among the registered functions (as
-        ``package>name``, and by the bare name that tf_keras <= 2.18 and
-        Keras <= 3.6 wrote for a registered function), then as its module's
+        ``package>name``, under ``config`` or, beside the bare name that
+        tf_keras <= 2.18 and Keras <= 3.6 wrote there, ``registered_name``;
+        then by that bare name alone), then as its module's
         top-level function when that module is imported; else Keras's own
         lookup (its built-in functions; tf_keras also imports the module a
         file names, Keras 3 does not).
@@ -335,6 +341,9 @@ class OptimizerHost:
         else:
             return cls._deserialize_function(saved, custom_objects=custom_objects)
         fn = (custom_objects or {}).get(name) or cls._registered(name)
+        registered = saved.get("registered_name") if isinstance(saved, dict) else None
+        if fn is None and isinstance(registered, str) and ">" in registered:
+            fn = cls._registered(registered)  # a bare "config" beside it (tf_keras <= 2.18)
         if fn is None and module and module != "builtins":
             fn = _imported_function(module, name)
         if fn is None and ">" not in name:
