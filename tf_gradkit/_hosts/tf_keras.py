@@ -19,7 +19,11 @@ from tf_keras.src.optimizers.optimizer import CallableList
 from tf_keras.src.utils import generic_utils
 
 from tf_gradkit._hosts import protocol
-from tf_gradkit._model_hooks import optimizer_chain
+# Host functions both flavours share (see `protocol.HOST_FUNCTIONS`).
+from tf_gradkit._hosts.protocol import (  # noqa: F401
+    built_variables, compiled_loss_weights, dataset_graph, is_built, is_variable,
+    loss_fn_kwargs, optimizer_map)
+from tf_gradkit._optimizer_tree import optimizer_chain
 
 FLAVOUR = "tf_keras"
 Optimizer = tf_keras.optimizers.Optimizer
@@ -28,6 +32,13 @@ _SYNC = {"sum": (tf.VariableSynchronization.ON_READ, tf.VariableAggregation.SUM)
          "first": (tf.VariableSynchronization.ON_READ,
                    tf.VariableAggregation.ONLY_FIRST_REPLICA),
          "none": (tf.VariableSynchronization.AUTO, tf.VariableAggregation.NONE)}
+
+
+def serves(obj):
+    """Whether ``obj`` belongs to tf_keras (a layer or model, optimizer,
+    variable, loss or callback of it)."""
+    return isinstance(obj, (tf_keras.layers.Layer, tf_keras.optimizers.Optimizer, tf_keras.losses.Loss, tf_keras.callbacks.Callback,
+                           tf_keras.mixed_precision.LossScaleOptimizer))
 
 
 def check_backend(owner):
@@ -267,7 +278,7 @@ class WrapperHost(protocol.WrapperHost, OptimizerHost):
                                              skip_gradients_aggregation=aggregated)
 
 
-class StateHost(OptimizerHost):
+class StateHost(protocol.StateHost, OptimizerHost):
     """tf_keras glue of an optimizer with state of its own (``_build_own``)."""
 
     def build(self, var_list):
@@ -283,7 +294,7 @@ class StateHost(OptimizerHost):
         return getattr(self, "_built", False)
 
 
-class SlotHost(OptimizerHost):
+class SlotHost(protocol.SlotHost, OptimizerHost):
     """tf_keras glue of a per-variable optimizer (``update_step``)."""
 
     def build(self, var_list):
