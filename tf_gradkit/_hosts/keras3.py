@@ -28,6 +28,11 @@ _SYNC = {"sum": ("on_read", "sum"), "first": ("on_read", "only_first_replica"),
          "none": ("auto", "none")}
 
 
+# Members of this Keras's optimizers that exist only on instances: Keras 3's Optimizer sets these in ``__init__``; the wrapper host
+# overrides them as properties.
+KERAS_INSTANCE_ATTRIBUTES = ("loss_scale_factor", "built")
+
+
 def serves(obj):
     """Whether ``obj`` belongs to keras (a layer or model, optimizer,
     variable, loss or callback of it)."""

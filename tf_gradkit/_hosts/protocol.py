@@ -107,6 +107,9 @@ class OptimizerHost:
     # Whether a depthwise convolution names its kernel `kernel`, like a
     # convolution: then only the layer (its kind) tells them apart.
     DEPTHWISE_NAMED_KERNEL = False
+    # The classes an algorithm checks against, set from ``KERAS`` below.
+    _OPTIMIZER = _LOSS_SCALE = _CALLBACK = _DEFAULT_MODEL = _SGD = None
+    _ZERO_PRESERVING = ()
 
     def __init_subclass__(cls, **kwargs):
         # The classes an algorithm checks against, from the flavour's Keras.
@@ -611,6 +614,12 @@ def layer_kinds(layers):
         "batch_norm": (layers.BatchNormalization,),
     }
 
+
+# ------------------------------------------------------- host module names
+# A host module's attributes: its name, its Keras's Optimizer base, how a
+# class registers with its Keras, the members its Keras sets only on
+# optimizer instances (which the host classes may override).
+HOST_ATTRIBUTES = ("FLAVOUR", "Optimizer", "register", "KERAS_INSTANCE_ATTRIBUTES")
 
 # ------------------------------------------------------------ host functions
 # What a host module gives the tools that hold a model, a layer or an

@@ -23,7 +23,7 @@ from tf_gradkit._hosts import protocol
 from tf_gradkit._hosts.protocol import (  # noqa: F401
     built_variables, compiled_loss_weights, dataset_graph, is_built, is_variable,
     loss_fn_kwargs, optimizer_map)
-from tf_gradkit._optimizer_tree import optimizer_chain
+from tf_gradkit import _optimizer_tree
 
 FLAVOUR = "tf_keras"
 Optimizer = tf_keras.optimizers.Optimizer
@@ -32,6 +32,11 @@ _SYNC = {"sum": (tf.VariableSynchronization.ON_READ, tf.VariableAggregation.SUM)
          "first": (tf.VariableSynchronization.ON_READ,
                    tf.VariableAggregation.ONLY_FIRST_REPLICA),
          "none": (tf.VariableSynchronization.AUTO, tf.VariableAggregation.NONE)}
+
+
+# Members of this Keras's optimizers that exist only on instances: tf_keras sets these on an optimizer instance (its LossScaleOptimizer
+# the first); the hosts override them as properties.
+KERAS_INSTANCE_ATTRIBUTES = ("_is_wrapped_by_loss_scale_optimizer", "built")
 
 
 def serves(obj):
@@ -147,6 +152,14 @@ class OptimizerHost(protocol.OptimizerHost):
         return terms
 
     @staticmethod
+    def _divisor_weights(loss, sample_weight, mask):
+        """Never asked: tf_keras has no reduction that divides by the sample
+        weights (`_loss_terms` gives none), so this refuses, naming it."""
+        del sample_weight, mask
+        raise ValueError(f"tf_keras has no 'weighted_mean' reduction; the loss "
+                         f"{type(loss).__name__} reduces with {loss.reduction!r}.")
+
+    @staticmethod
     def _extra_losses(model):
         """``(all, data_dependent)``: see the Keras 3 host. tf_keras keeps
         weight regularizers as callables, the others as tensors."""
@@ -196,7 +209,7 @@ class WrapperHost(protocol.WrapperHost, OptimizerHost):
         skips and scale changes out of step with the outer one's: the loss
         then ends elsewhere), and tells the wrappers below."""
         me = type(self).__name__
-        for inner in optimizer_chain(self.inner_optimizer):
+        for inner in _optimizer_tree.optimizer_chain(self.inner_optimizer):
             if self._is_loss_scale(inner):
                 raise TypeError(
                     f"{me}({type(inner).__name__}(...)) is being wrapped in another "
