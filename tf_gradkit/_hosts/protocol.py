@@ -228,6 +228,11 @@ class OptimizerHost:
         tells an optimizer nothing of the model it is loaded for, and a
         loaded optimizer belongs to exactly that model."""
         root = os.path.dirname(cls.KERAS.__file__) + os.sep
+        # Kept here, in the hosts, on purpose: neither Keras passes the
+        # model to the optimizer it deserialises, and the alternatives
+        # (wrapping each flavour's loader functions, or asking users to
+        # call `attach` after every load) would patch Keras globally or
+        # break `load_model` alone. Each host names its loaders (`_LOADERS`).
         frame = sys._getframe(1)  # pylint: disable=protected-access
         while frame is not None:
             code = frame.f_code
