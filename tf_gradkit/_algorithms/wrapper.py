@@ -110,7 +110,7 @@ class Wrapper:
             raise unexpected_arguments(owner, kwargs, self.ACCEPTED)
         if not isinstance(optimizer, (self._OPTIMIZER, self._LOSS_SCALE)):
             other = _hosts.host_of(optimizer)
-            advice = ("" if other is None else f" For an optimizer of that flavour use "
+            advice = ("" if other is None else f" For an optimizer of the other flavour use "
                       f"tf_gradkit.{other.FLAVOUR}.{owner}.")
             raise TypeError(
                 f"{owner} (tf_gradkit.{self.FLAVOUR}) wraps a {self.OPTIMIZER_KIND} "
