@@ -15,6 +15,7 @@ from conftest import compile_fn
 from helpers import max_abs_diff, mlp, regression_data, variables_of
 
 from tf_gradkit import constraints as C
+from tf_gradkit.pruning import ConstantSparsity
 
 OPTIMIZERS = {
     "accumulate-adam-4": lambda K, gk, model: gk.GradientAccumulator(
@@ -42,6 +43,9 @@ OPTIMIZERS = {
     "conditional-gradient-fro": lambda K, gk, model: gk.ConditionalGradient(0.1, lambda_=2.0),
     "levenberg-marquardt-trust-region": lambda K, gk, model: gk.LevenbergMarquardt(
         model, controller="trust_region"),
+    # A quarter of each kernel pruned at the first update, kept at zero.
+    "magnitude-pruning-adam": lambda K, gk, model: gk.MagnitudePruning(
+        K.optimizers.Adam(0.02), model=model, schedule=ConstantSparsity(0.25, 0)),
 }
 
 NAMES = sorted(OPTIMIZERS)

@@ -28,6 +28,7 @@ import tf_gradkit
 from conftest import FLAVOUR, keras_module
 from helpers import max_abs_diff, mlp, regression_data, variables_of, weights_of
 from tf_gradkit import constraints as C
+from tf_gradkit.pruning import ConstantSparsity
 
 K_ = keras_module()
 
@@ -56,6 +57,8 @@ def _optimizers(K, gk):
         "accumulator-projected": lambda m: gk.GradientAccumulator(
             gk.Projected(K.optimizers.Adam(0.05), {"kernel": C.NonNeg()}), 4, model=m,
             epoch_end="carry"),
+        "magnitude-pruning": lambda m: gk.MagnitudePruning(
+            K.optimizers.Adam(0.05), model=m, schedule=ConstantSparsity(0.5, 0)),
         # Keras 3.15: an accumulator for the first layer, Adam for the rest.
         "multioptimizer": lambda m: K.optimizers.MultiOptimizer(K.optimizers.OptimizerMap(
             default_optimizer=K.optimizers.Adam(0.05),
@@ -68,8 +71,9 @@ def _optimizers(K, gk):
 
 FORMATS = ["keras", "checkpoint"] + (["savedmodel", "h5"] if FLAVOUR == "tf_keras" else [])
 NAMES = ["accumulator", "levenberg-marquardt", "projected", "lagrangian", "frank-wolfe",
-         "accumulator-projected"] + (["multioptimizer"]  # Keras 3.15+
-                                     if hasattr(K_.optimizers, "MultiOptimizer") else [])
+         "accumulator-projected", "magnitude-pruning"] + (
+             ["multioptimizer"]  # Keras 3.15+
+             if hasattr(K_.optimizers, "MultiOptimizer") else [])
 
 
 def _fit(model, x, y):

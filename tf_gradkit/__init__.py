@@ -72,7 +72,7 @@ def attach(model):
     >>> tf_gradkit.attach(model)
     >>> model.fit(x, y)
     """
-    from tf_gradkit._model_hooks import optimizer_chain  # noqa: PLC0415
+    from tf_gradkit._optimizer_tree import optimizer_chain  # noqa: PLC0415
 
     for optimizer in optimizer_chain(getattr(model, "optimizer", None)):
         if type(optimizer).__module__.startswith("tf_gradkit.") and callable(

@@ -1,13 +1,24 @@
 """Which Keras flavour the public names resolve to.
 
-``tf.keras`` is Keras 3 unless ``TF_USE_LEGACY_KERAS`` is set to a true value,
-in which case it is tf_keras (the Keras 2 line that tfmot needs). We read that
-variable the same way TensorFlow does, at the moment a public name is looked up,
-and never write it (tfmot's import does; we don't).
+``tf_gradkit.optimizers.X`` (and ``.layers``, ``.callbacks``,
+``.constraints``, ``tf_gradkit.pruning``'s flavoured names) is the class for
+whatever ``tf.keras`` is in this process: Keras 3, or tf_keras when
+``TF_USE_LEGACY_KERAS`` was set to a true value before ``tf.keras`` was first
+used. TensorFlow reads that variable once, when ``tf.keras`` is first used,
+and keeps its answer; we ask ``tf.keras`` itself at each lookup (which fixes
+it, as using ``tf.keras`` would), so importing tfmot (which sets the
+variable) after a Keras 3 name was used changes neither ``tf.keras`` nor what
+that name resolves to. We never write the variable.
+
+Nothing else in tf_gradkit asks which flavour is active: an optimizer, layer,
+model or callback is served by the host of the Keras it belongs to
+(`tf_gradkit._hosts.host_of`), and ``tf_gradkit.keras3.X`` /
+``tf_gradkit.tf_keras.X`` are that flavour whatever the process's is.
 """
 
 import importlib
 import os
+import sys
 
 KERAS3 = "keras3"
 TF_KERAS = "tf_keras"
@@ -24,7 +35,17 @@ REGISTERING_MODULES = {
 
 
 def active_flavour():
-    """Returns ``"tf_keras"`` if ``tf.keras`` is tf_keras here, else ``"keras3"``."""
+    """Returns ``"tf_keras"`` if ``tf.keras`` is tf_keras here, else ``"keras3"``.
+
+    Read from ``tf.keras`` (its ``Model`` is one flavour's ``Model``); only
+    when neither matches, from ``TF_USE_LEGACY_KERAS`` as TensorFlow reads it."""
+    import tensorflow as tf  # noqa: PLC0415
+
+    model = tf.keras.Model  # TensorFlow decides (once) what tf.keras is
+    for flavour, module_name in KERAS_MODULES.items():
+        keras = sys.modules.get(module_name)
+        if keras is not None and getattr(keras, "Model", None) is model:
+            return flavour
     legacy = os.environ.get("TF_USE_LEGACY_KERAS", None)
     return TF_KERAS if legacy in ("true", "True", "1") else KERAS3
 

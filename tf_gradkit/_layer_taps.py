@@ -5,27 +5,28 @@ Both Keras flavours call a layer through ``layer.call`` and apply a Dense's or
 a convolution's ``layer.activation`` after its bias, so overriding the two on
 the instance (never on the class, so other models are untouched) sees every
 call, eagerly and while a ``tf.function`` traces. The one place that knows
-which layers exist is the active flavour's host (`_hosts.<flavour>.layer_kinds`).
+which layers exist is the host of the model's flavour (`_hosts.<flavour>.layer_kinds`).
 """
 
 import contextlib
-import importlib
 
 import tensorflow as tf
 
-from tf_gradkit import _flavour
-
 
 @tf.autograph.experimental.do_not_convert
-def layer_kinds():
-    """The active flavour's kind -> layer classes (`_hosts.*.layer_kinds`)."""
-    host = importlib.import_module(f"tf_gradkit._hosts.{_flavour.active_flavour()}")
-    return host.layer_kinds()
+def layer_kinds(obj, owner="tf_gradkit"):
+    """kind -> layer classes of the flavour ``obj`` (a model or layer)
+    belongs to (`_hosts.*.layer_kinds`); a TypeError naming ``owner`` when
+    no flavour serves it."""
+    from tf_gradkit import _hosts  # noqa: PLC0415
+
+    return _hosts.host_for(obj, "model", owner).layer_kinds()
 
 
 def kind_of(layer, kinds=None):
-    """"dense", "conv", "embedding", "layer_norm", "batch_norm" or None."""
-    kinds = kinds or layer_kinds()
+    """"dense", "conv", "embedding", "layer_norm", "batch_norm" or None;
+    ``kinds``: `layer_kinds` of its model (else of the layer's own flavour)."""
+    kinds = kinds or layer_kinds(layer)
     if isinstance(layer, kinds["excluded"]):
         return None
     for kind in ("dense", "conv", "embedding", "layer_norm", "batch_norm"):

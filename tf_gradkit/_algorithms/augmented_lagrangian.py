@@ -362,9 +362,9 @@ class AugmentedLagrangian(Wrapper):
         """Refuses constraints on trainable variables this optimizer does not
         update (a MultiOptimizer gives them to another): their share of the
         penalty's gradient would be dropped."""
-        keys = {self._var_key(v) for v in variables}
+        keys = {self._variable_key(v) for v in variables}
         outside = sorted({self._path(v) for v in watched
-                          if v.trainable and self._var_key(v) not in keys})
+                          if v.trainable and self._variable_key(v) not in keys})
         if outside:
             names = [self._specs[i].name for i in closure]
             raise ValueError(

@@ -36,6 +36,9 @@ import shutil
 
 import tensorflow as tf
 
+from tf_gradkit import _hosts
+from tf_gradkit._hosts import protocol
+
 _SHUFFLES = ("ShuffleDataset", "ShuffleDatasetV2", "ShuffleDatasetV3",
              "ShuffleAndRepeatDataset", "ShuffleAndRepeatDatasetV2")
 
@@ -74,7 +77,7 @@ def check_dataset(dataset):
 
 def _shuffle_problems(dataset):
     graph = tf.compat.v1.GraphDef()
-    serialized = dataset._as_serialized_graph()  # pylint: disable=protected-access
+    serialized = protocol.dataset_graph(dataset)
     graph.ParseFromString(serialized.numpy())
     node_lists = [graph.node] + [f.node_def for f in graph.library.function]
     for nodes in node_lists:
@@ -125,10 +128,13 @@ class ExactBackupAndRestore:
     ``BackupAndRestore`` in the same ``fit`` (both would set where it starts).
     """
 
-    # The flavour's: ``resume_fit_at(model, epoch, step)`` makes fit start at
-    # ``epoch`` and says whether it still runs that epoch from its first step;
-    # ``forget_resume(model)`` clears it; ``steps_per_execution(model)``.
-    _HOST = None
+    @property
+    def _HOST(self):  # noqa: N802
+        """The host of the model's flavour: ``resume_fit_at(model, epoch,
+        step)`` makes fit start at ``epoch`` and says whether it still runs
+        that epoch from its first step; ``forget_resume(model)`` clears it;
+        ``steps_per_execution(model)``."""
+        return _hosts.host_for(self.model, "model", type(self).__name__)
 
     def __init__(self, dataset, backup_dir, save_freq="epoch", delete_checkpoint=True):
         super().__init__()
@@ -183,7 +189,7 @@ class ExactBackupAndRestore:
         latest = self._manager.latest_checkpoint
         if latest is None:
             return
-        if not (getattr(optimizer, "built", False) or getattr(optimizer, "_built", False)):
+        if not host.is_built(optimizer):
             optimizer.build(model.trainable_variables)
         checkpoint.restore(latest).assert_existing_objects_matched()
         epoch, done = (int(v) for v in self._position.numpy())

@@ -268,7 +268,7 @@ class GradientAccumulator(Wrapper):
         self._micro_steps = make_scalar(tf.int64, "micro_steps", False)
         self._dropped = make_scalar(tf.int64, "dropped_gradients", False)
         self._skipped = make_scalar(tf.int64, "skipped_windows", False)
-        if distributed_window.concurrent_workers(self._distribution_strategy):
+        if distributed_window.concurrent_workers(self._strategy()):
             # Workers update the window at once (parameter servers): each
             # micro-step holds a mutex on the servers, and `version` counts
             # the updates whose writes are done (`core.exclusive`).
@@ -309,7 +309,7 @@ class GradientAccumulator(Wrapper):
     def _wrap_train_step(self, step, model):
         """Under a parameter-server strategy, reads `version` before the
         step reads the weights, as the ``local_step`` of its gradient."""
-        if not distributed_window.concurrent_workers(self._distribution_strategy):
+        if not distributed_window.concurrent_workers(self._strategy()):
             return step
         if self._state is None:
             with tf.init_scope():
@@ -447,17 +447,17 @@ class GradientAccumulator(Wrapper):
 
     def _align(self, grads, variables):
         """Orders gradients like the variables the optimizer was built with."""
-        known = {self._var_key(v) for v in self._trainable_variables}
+        known = {self._variable_key(v) for v in self._built_variables()}
         by_key = {}
         for g, v in zip(grads, variables):
-            key = self._var_key(v)
+            key = self._variable_key(v)
             if key not in known:
                 raise ValueError(
                     f"GradientAccumulator: unknown variable {v.name}; the optimizer "
                     "was built for other variables. Create a new "
                     "GradientAccumulator for a new set of variables.")
             by_key[key] = g
-        return [by_key.get(self._var_key(v)) for v in self._trainable_variables]
+        return [by_key.get(self._variable_key(v)) for v in self._built_variables()]
 
     # Pure Python over the trace: autograph has nothing to convert here (and
     # one tf_keras run saw its converted call pass `self` twice).
@@ -473,7 +473,7 @@ class GradientAccumulator(Wrapper):
         if with_gradient == self._with_gradient:
             return
         names = [getattr(v, "path", None) or v.name for v, now, first in
-                 zip(self._trainable_variables, with_gradient, self._with_gradient)
+                 zip(self._built_variables(), with_gradient, self._with_gradient)
                  if now != first]
         raise ValueError(
             "GradientAccumulator: every micro-step must give gradients to the same "
@@ -489,7 +489,7 @@ class GradientAccumulator(Wrapper):
                     else tf.distribute.get_strategy().num_replicas_in_sync)
         grads = accumulation.window_gradients(accumulation.window_sums(self._state),
                                               self.reduction, total_weight, replicas)
-        pairs = [(g, v) for g, v, h in zip(grads, self._trainable_variables, has_grad)
+        pairs = [(g, v) for g, v, h in zip(grads, self._built_variables(), has_grad)
                  if h]
         # Each replica hands on its share: the inner optimizer's one sum over
         # replicas (always, even when the micro-steps' input was summed) is
@@ -535,7 +535,7 @@ class GradientAccumulator(Wrapper):
             self._state, tf.constant(True)), journal=self._journal)
 
     def _flush_in_replica(self):
-        has_grad = list(self._with_gradient or [True] * len(self._trainable_variables))
+        has_grad = list(self._with_gradient or [True] * len(self._built_variables()))
         exclusive.run_exclusive(self._mutex, lambda: distributed_window.micro_step(
             self._state, [None] * len(has_grad), weight=None, count=None, accept=True,
             steps=self.steps, force=True,
@@ -554,14 +554,14 @@ class GradientAccumulator(Wrapper):
         if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
             fn()  # already in replica context (strategy.run, train_step)
             return
-        with self._distribution_strategy.scope():
+        with self._strategy().scope():
             if not tf.distribute.has_strategy():  # the default strategy
                 fn()
             elif tf.executing_eagerly():
                 # One traced function per (optimizer, action): running a
                 # MirroredStrategy eagerly is slow and warns. A weak reference:
                 # the cached function must not keep the optimizer alive.
-                strategy = self._distribution_strategy
+                strategy = self._strategy()
                 cache = _REPLICA_FUNCTIONS.setdefault(self, {})
                 name = fn.__name__
                 if name not in cache:
@@ -569,7 +569,7 @@ class GradientAccumulator(Wrapper):
                     cache[name] = tf.function(lambda: strategy.run(getattr(ref(), name)))
                 cache[name]()
             else:
-                self._distribution_strategy.run(fn)
+                self._strategy().run(fn)
 
     # -------------------------------------------------------------- reporting
     def _counter(self, name):

@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gradkit import _model_hooks
+from tf_gradkit import _optimizer_tree
 from tf_gradkit._algorithms import lm_losses
 from tf_gradkit._algorithms.wrapper import unexpected_arguments
 from tf_gradkit.core.lm import damping as damping_lib
@@ -287,8 +288,8 @@ class LevenbergMarquardt:
 
     def _wrap_train_step(self, step, model):
         del step  # LM's step replaces the model's (checked at `attach`)
-        path = _model_hooks.path_to(getattr(model, "optimizer", None), self) or []
-        groups = [o for o in path[:-1] if _model_hooks.dispatches(o)]
+        path = _optimizer_tree.path_to(getattr(model, "optimizer", None), self) or []
+        groups = [o for o in path[:-1] if _optimizer_tree.dispatches(o)]
         if groups:
             raise ValueError(
                 f"LevenbergMarquardt cannot be one of {type(groups[0]).__name__}'s "

@@ -5,6 +5,7 @@ residuals of a (multi-output, weighted) mean squared error are formed so that
 
 import tensorflow as tf
 
+from tf_gradkit._hosts import protocol
 from tf_gradkit.core.lm.robust import RobustLoss
 
 MSE_NAMES = ("mse", "mean_squared_error", "MeanSquaredError")
@@ -39,7 +40,7 @@ def _delta(loss):
         loss = loss[0]
     if isinstance(loss, dict):
         loss = next(iter(loss.values()))
-    kwargs = getattr(loss, "_fn_kwargs", None) or getattr(loss, "fn_kwargs", None) or {}
+    kwargs = protocol.loss_fn_kwargs(loss)
     return float(kwargs.get("delta", getattr(loss, "delta", 1.0)))
 
 
@@ -51,7 +52,7 @@ def from_logits(loss):
         loss = next(iter(loss.values()))
     if hasattr(loss, "from_logits"):
         return bool(loss.from_logits)
-    return bool(getattr(loss, "_fn_kwargs", {}).get("from_logits", False))
+    return bool(protocol.loss_fn_kwargs(loss).get("from_logits", False))
 
 
 def loss_name(loss):
@@ -126,5 +127,4 @@ def _flat_loss_weights(y_pred, loss_weights, count):
 def compiled_loss_weights(model):
     """The ``loss_weights`` given to ``compile`` (both flavours keep them in
     ``_compile_config``); None when not given."""
-    config = getattr(getattr(model, "_compile_config", None), "config", None) or {}
-    return config.get("loss_weights")
+    return protocol.compiled_loss_weights(model)

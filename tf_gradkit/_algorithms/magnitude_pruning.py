@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from tf_gradkit import _layer_taps
 from tf_gradkit import _model_hooks
+from tf_gradkit import _optimizer_tree
 from tf_gradkit._algorithms.masked_update import MaskedUpdate, _multiply_in_place
 from tf_gradkit.core import magnitude
 from tf_gradkit.core import pruning_schedule
@@ -152,8 +153,8 @@ class MagnitudePruning(MaskedUpdate):
         self._left_alone = set()  # paths of depthwise kernels, once the model is known
         self._model_known = False
         self._hooked = threading.local()  # per replica thread, while a step is traced
-        self.masks = Masks(self._var_key)  # filled when built
-        for inner in _model_hooks.optimizer_chain(optimizer):
+        self.masks = Masks(self._variable_key)  # filled when built
+        for inner in _optimizer_tree.optimizer_chain(optimizer):
             if getattr(type(inner), "accepts_masks", False):
                 inner.masks = self.masks
         self._bound = False
@@ -228,7 +229,7 @@ class MagnitudePruning(MaskedUpdate):
     def _leave_alone(self, model):
         """Remembers the weights of ``model``'s depthwise layers (the host's
         layer kinds), which ``"kernels"`` leaves alone as tfmot does."""
-        depthwise = _layer_taps.layer_kinds()["depthwise"]
+        depthwise = _layer_taps.layer_kinds(model, _OWNER)["depthwise"]
         self._left_alone |= {self._path(w) for layer in _layer_taps.flat_layers(model)
                              if isinstance(layer, depthwise) for w in layer.weights}
         self._model_known = True
@@ -249,7 +250,7 @@ class MagnitudePruning(MaskedUpdate):
         """Before ``fit``: builds (making step 1's masks, when the schedule
         prunes at step 1, before the first forward pass)."""
         if model.built and self.masks.empty and model.trainable_variables:
-            with self._distribution_strategy.scope():
+            with self._strategy().scope():
                 self.build(model.trainable_variables)
 
     def _wrap_train_step(self, step, model):

@@ -55,7 +55,7 @@ class MaskedUpdate(Wrapper):
         """Masking only when the masks change is exact when every optimizer
         below keeps an entry with a zero gradient and zero state at zero:
         the masked gradients then keep pruned weights and slots at zero."""
-        from tf_gradkit._model_hooks import optimizer_chain  # noqa: PLC0415
+        from tf_gradkit._optimizer_tree import optimizer_chain  # noqa: PLC0415
         return not self.MASK_SLOTS_EVERY_UPDATE and all(
             self._preserves_zeros(o) for o in optimizer_chain(self.inner_optimizer))
 
@@ -81,9 +81,9 @@ class MaskedUpdate(Wrapper):
         """``(variable, mask, slots)`` of each masked weight of ``var_list``."""
         table = self._table()
         slots = self._slots_of(self.inner_optimizer, var_list)
-        self._targets = self._no_dependency([
+        self._targets = self._untracked([
             (self._tf_variable(table[key][0]), table[key][1], slots[key])
-            for key in (self._var_key(v) for v in var_list) if key in table])
+            for key in (self._variable_key(v) for v in var_list) if key in table])
 
     def _finalize(self, var_list):
         self.inner_optimizer.finalize_variable_values(var_list)
@@ -96,7 +96,7 @@ class MaskedUpdate(Wrapper):
         table = self._table()
         masked = []
         for grad, variable in zip(grads, variables):
-            entry = table.get(self._var_key(variable))
+            entry = table.get(self._variable_key(variable))
             masked.append(grad if entry is None else mask_gradient(grad, entry[1]))
         before = tf.identity(self.iterations)
         self._inner_apply(masked, variables, aggregated)
@@ -148,8 +148,8 @@ class MaskedUpdate(Wrapper):
         else:
             # e.g. `finalize_variable_values` at the end of `fit`, outside the
             # scope of the strategy the optimizer was created under.
-            with self._distribution_strategy.scope():
-                mask_all(self._distribution_strategy, updated)
+            with self._strategy().scope():
+                mask_all(self._strategy(), updated)
 
     def minimize(self, loss, var_list, tape=None):
         """As the inner optimizer's; for optimizers that need residuals (like

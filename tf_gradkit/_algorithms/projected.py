@@ -6,7 +6,7 @@ import re
 import tensorflow as tf
 
 from tf_gradkit._algorithms.wrapper import Wrapper, no_gradients_error
-from tf_gradkit._model_hooks import optimizer_chain
+from tf_gradkit._optimizer_tree import optimizer_chain
 from tf_gradkit.core import sets
 
 SPARSE_ROWS = ("auto", True, False)
@@ -159,7 +159,7 @@ class Projected(Wrapper):
             self._check_model(model)
             # A pattern matching nothing is an error now, before any state.
             self._model_paths = {k: self._path(v) for v in model.trainable_variables
-                                 for k in [self._var_key(v)]
+                                 for k in [self._variable_key(v)]
                                  if k in self._resolve(model.trainable_variables)}
 
     def _build_own(self, var_list):
@@ -192,7 +192,7 @@ class Projected(Wrapper):
                     f"trainable variables (paths: {paths}"
                     f"{', ...' if len(variables) > 12 else ''}).")
             for v in hits:
-                k = self._var_key(v)
+                k = self._variable_key(v)
                 if k in by_key:
                     raise ValueError(
                         f"Projected: variable {self._path(v)!r} is matched by both "
@@ -210,11 +210,11 @@ class Projected(Wrapper):
     def _matches(self, key, variable):
         if isinstance(key, re.Pattern):
             return key.search(self._path(variable)) is not None
-        return self._var_key(key) == self._var_key(variable)
+        return self._variable_key(key) == self._variable_key(variable)
 
     def constraint_for(self, variable):
         """The constraint this wrapper projects ``variable`` onto, or None."""
-        return None if self._by_key is None else self._by_key.get(self._var_key(variable))
+        return None if self._by_key is None else self._by_key.get(self._variable_key(variable))
 
     def _mask_of(self, variable):
         return None if self.masks is None else self.masks.mask_for(variable)

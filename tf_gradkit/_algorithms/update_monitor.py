@@ -8,15 +8,15 @@ host says how to see the gradients an optimizer applies
 (`_hosts.<flavour>.watch_applied_gradients`).
 """
 
-import importlib
 import math
 import warnings
 from typing import NamedTuple
 
 import tensorflow as tf
 
-from tf_gradkit import _flavour
-from tf_gradkit._model_hooks import ModelBinding, optimizer_chain, sub_optimizers
+from tf_gradkit import _hosts
+from tf_gradkit._model_hooks import ModelBinding
+from tf_gradkit._optimizer_tree import optimizer_chain, sub_optimizers
 
 __all__ = ["UpdateMonitor"]
 
@@ -242,9 +242,9 @@ class UpdateMonitor:
                     last=tf.Variable(tf.fill((layers, len(_COLUMNS)), float("nan")),
                                      trainable=False))
             self._state = state
-        host = importlib.import_module(f"tf_gradkit._hosts.{_flavour.active_flavour()}")
-        for leaf in leaves:  # watched once each, until training ends
+        for leaf in leaves:  # watched once each, until training ends, by its host
             if not any(leaf is watched for watched, _ in self._unwatch):
+                host = _hosts.host_for(leaf, "optimizer", "UpdateMonitor")
                 self._unwatch.append(
                     (leaf, host.watch_applied_gradients(leaf, self._record)))
         return state

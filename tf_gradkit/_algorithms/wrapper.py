@@ -11,7 +11,9 @@ refuses the others at construction, naming both classes and what to write
 instead, so no composition runs silently wrong.
 """
 
-from tf_gradkit._model_hooks import check_model, optimizer_chain
+from tf_gradkit import _hosts
+from tf_gradkit._model_hooks import check_model
+from tf_gradkit._optimizer_tree import optimizer_chain
 
 
 WRAPPER_ADVICE = ("Set learning rate, clipping, weight decay and EMA on the inner "
@@ -107,11 +109,12 @@ class Wrapper:
         if kwargs:
             raise unexpected_arguments(owner, kwargs, self.ACCEPTED)
         if not isinstance(optimizer, (self._OPTIMIZER, self._LOSS_SCALE)):
-            other = "tf_keras" if self.FLAVOUR == "keras3" else "keras3"
+            other = _hosts.host_of(optimizer)
+            advice = ("" if other is None else f" For an optimizer of the other flavour use "
+                      f"tf_gradkit.{other.FLAVOUR}.{owner}.")
             raise TypeError(
                 f"{owner} (tf_gradkit.{self.FLAVOUR}) wraps a {self.OPTIMIZER_KIND} "
-                f"optimizer. Received: optimizer={self._describe(optimizer)}. For an "
-                f"optimizer of the other flavour use tf_gradkit.{other}.{owner}.")
+                f"optimizer. Received: optimizer={self._describe(optimizer)}.{advice}")
         self.check_inner(optimizer)
         self._init_base(name)
         self.inner_optimizer = optimizer

@@ -17,6 +17,8 @@ import importlib
 import sys
 import types
 
+from tf_gradkit import _flavour
+
 # name -> (algorithm module, the host class it stands on)
 OPTIMIZERS = {
     "AugmentedLagrangian": ("tf_gradkit._algorithms.augmented_lagrangian", "WrapperHost"),
@@ -26,6 +28,31 @@ OPTIMIZERS = {
     "MagnitudePruning": ("tf_gradkit._algorithms.magnitude_pruning", "WrapperHost"),
     "Projected": ("tf_gradkit._algorithms.projected", "WrapperHost"),
 }
+
+
+def host_of(obj):
+    """The host module (`keras3`, `tf_keras`) of the Keras that ``obj`` (a
+    model, layer, optimizer, variable, loss or callback) belongs to, or None
+    when it belongs to none. Asked of the object (each host's ``serves``),
+    never of the environment; a flavour whose Keras is not imported serves
+    nothing and is not imported."""
+    for flavour, keras_module in _flavour.KERAS_MODULES.items():
+        if keras_module in sys.modules:
+            host = importlib.import_module(f"{__name__}.{flavour}")
+            if host.serves(obj):
+                return host
+    return None
+
+
+def host_for(obj, argument, owner):
+    """`host_of`, or a TypeError naming ``argument`` of ``owner`` when no
+    flavour serves ``obj``."""
+    host = host_of(obj)
+    if host is None:
+        raise TypeError(
+            f"{owner}: `{argument}` must be a Keras 3 or tf_keras object. Received: "
+            f"{argument}={type(obj).__module__}.{type(obj).__name__}")
+    return host
 
 
 def make_class(host, algorithm, base, module_name):

@@ -14,14 +14,29 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_gradkit import _model_hooks
+from tf_gradkit import _optimizer_tree
 from tf_gradkit._hosts import protocol
+# Host functions both flavours share (see `protocol.HOST_FUNCTIONS`).
+from tf_gradkit._hosts.protocol import (  # noqa: F401
+    built_variables, compiled_loss_weights, dataset_graph, is_built, is_variable,
+    loss_fn_kwargs, optimizer_map)
 
 FLAVOUR = "keras3"
 Optimizer = keras.optimizers.Optimizer
 register = keras.saving.register_keras_serializable
 _SYNC = {"sum": ("on_read", "sum"), "first": ("on_read", "only_first_replica"),
          "none": ("auto", "none")}
+
+
+# Members of this Keras's optimizers that exist only on instances: Keras 3's Optimizer sets these in ``__init__``; the wrapper host
+# overrides them as properties.
+KERAS_INSTANCE_ATTRIBUTES = ("loss_scale_factor", "built")
+
+
+def serves(obj):
+    """Whether ``obj`` belongs to keras (a layer or model, optimizer,
+    variable, loss or callback of it)."""
+    return isinstance(obj, (keras.layers.Layer, keras.optimizers.Optimizer, keras.Variable, keras.losses.Loss, keras.callbacks.Callback))
 
 
 def check_backend(owner):
@@ -189,7 +204,7 @@ class OptimizerHost(protocol.OptimizerHost):
         momentum and velocity, SGD's momentum, EMA averages); the longest
         matching path wins. tf_gradkit's own state (window sums, masks) is
         not a slot: variables of tf_gradkit optimizers are skipped."""
-        from tf_gradkit._model_hooks import optimizer_chain  # noqa: PLC0415
+        from tf_gradkit._optimizer_tree import optimizer_chain  # noqa: PLC0415
 
         ours = {id(cls._tf_variable(v)) for o in optimizer_chain(optimizer)
                 if type(o).__module__.startswith("tf_gradkit.")
@@ -262,7 +277,7 @@ class WrapperHost(protocol.WrapperHost, OptimizerHost):
             self.inner_optimizer.build(var_list)
         # A MultiOptimizer given a function knows its optimizers only now.
         self.check_inner(self.inner_optimizer)
-        _model_hooks.check_groups(self.inner_optimizer)
+        _optimizer_tree.check_groups(self.inner_optimizer)
         self._build_own(var_list)
         Optimizer.build(self, var_list)
 
@@ -321,7 +336,7 @@ class WrapperHost(protocol.WrapperHost, OptimizerHost):
         return self.built
 
 
-class StateHost(OptimizerHost):
+class StateHost(protocol.StateHost, OptimizerHost):
     """Keras 3 glue of an optimizer with state of its own (``_build_own``)."""
 
     def build(self, var_list):
@@ -333,7 +348,7 @@ class StateHost(OptimizerHost):
         Optimizer.build(self, var_list)
 
 
-class SlotHost(OptimizerHost):
+class SlotHost(protocol.SlotHost, OptimizerHost):
     """Keras 3 glue of a per-variable optimizer (``update_step``)."""
 
     def build(self, var_list):

@@ -1,32 +1,40 @@
-"""The host protocol: what tf_gradkit's algorithms may ask of a Keras flavour.
+"""The host protocol: every hook an algorithm, a callback or a gradient tool
+may call on a Keras flavour, declared once, with its contract.
 
-A host module (`keras3.py`, `tf_keras.py`) subclasses these classes and sets
-the class attributes below; it overrides a method only where its Keras does
-something differently. What is written here is the same for every flavour
-because it goes through those attributes (``KERAS``, the flavour's Keras
-module, has the same ``saving``, ``optimizers``, ``constraints`` and
-``utils`` functions in both).
+A host module (`keras3.py`, `tf_keras.py`) subclasses the classes below and
+implements each hook that raises ``NotImplementedError`` here (in the manner
+of Keras 3's ``_backend_*`` hooks); a hook with a body here is the same for
+every flavour (it goes through ``KERAS``, the flavour's Keras module, whose
+``saving``, ``optimizers``, ``constraints`` and ``utils`` functions are the
+same in both, or reads a member both Keras flavours name alike) and a host
+overrides it only where its Keras differs. Nothing outside ``_hosts/`` reads
+a private member of Keras or TensorFlow: it calls one of these hooks
+(`tests/test_host_contract.py` checks both).
 
-`OptimizerHost` (every tf_gradkit optimizer):
-  ``_init_base(name, learning_rate, **kwargs)``   the Keras base ``__init__``
-  ``_new_variable(shape, dtype, name, initial, sync, reference)``
-  ``_path(v)``, ``_path_below_model(v)``, ``_tf_variable(v)``, ``_variable_index(v)``
-  ``_is_model(m)``, ``_unpack(data)``, ``_report(model, x, y, y_pred, sw)``
-  ``_serialize``, ``_deserialize_*``, ``_registered``, ``_is_loss_scale``
-  ``_ema_average(owner, v)``, ``_ema_momentum(owner)``, ``_update_happened(opt)``
-  ``_loss_terms(model, y, y_pred, sw)``: each compiled loss as a `LossTerm`
-  (what it divides by), ``_extra_losses(model)``: the model's added losses
-  ``_note_loading()`` (in ``_init_base``): the model whose saved file the
-  flavour's Keras is loading, if it is loading one (`bind_after_load`), and
-  ``_restore_after_load()`` (end of a tf_keras build): the state a tf_keras
-  SavedModel holds but does not restore itself
-`WrapperHost`: ``iterations``, ``learning_rate``, ``build``, ``variables``, the
-  ``apply``/``apply_gradients`` entry points (calling the algorithm's
-  ``_apply_grads(grads, variables, aggregated, **options)``) and
-  ``_inner_apply(grads, variables, aggregated)``.
-`StateHost`: ``build`` for an optimizer with its own state (``_build_own``).
-`SlotHost`: ``build``, ``update_step`` and slots for a per-variable optimizer
+The parts:
+
+- `OptimizerHost` (every tf_gradkit optimizer): the Keras base (``_init_base``,
+  ``_check_backend``), state variables (``_new_variable``, ``_tf_variable``,
+  ``_path``, ``_variable_key``, ``_variable_index``, ``_built_variables``,
+  ``_strategy``, ``_untracked``), other optimizers' slots and averages
+  (``_slots_of``, ``_index_in``, ``_ema_average``, ``_ema_momentum``,
+  ``_update_happened``, ``_preserves_zeros``), the model's loss terms
+  (``_loss_terms``, ``_extra_losses``, ``_report``, ``_unpack``), saving
+  (``_serialize``, ``_deserialize_*``, ``_registered``, ``_saved_function``,
+  ``_load_function``) and loading (``_note_loading``, ``_model_loaded_for``,
+  ``_restore_after_load``).
+- `WrapperHost`: a wrapper's ``iterations``, ``learning_rate``, build order and
+  entry points (Keras's ``build``, ``variables``, ``apply_gradients``), which
+  call the algorithm's ``_apply_grads(grads, variables, aggregated,
+  **options)``; and ``_inner_apply``, ``_inner_loss_scale``, ``_is_built``.
+- `StateHost`: ``build`` for an optimizer with its own state (``_build_own``).
+- `SlotHost`: ``build``, ``update_step`` and slots (``_new_slot``, ``_assign``,
+  ``_read``, ``_learning_rate_config``) for a per-variable optimizer
   (``_prepare``, ``_build_slots``, ``_update_one``).
+- `HOST_FUNCTIONS`: what a host module gives tools that hold a model, a layer
+  or an optimizer rather than being one (layer kinds, gradient watching,
+  where fit starts, a dispatcher's map); the host serving an object is
+  `tf_gradkit._hosts.host_of(obj)`.
 """
 
 import inspect
@@ -99,6 +107,9 @@ class OptimizerHost:
     # Whether a depthwise convolution names its kernel `kernel`, like a
     # convolution: then only the layer (its kind) tells them apart.
     DEPTHWISE_NAMED_KERNEL = False
+    # The classes an algorithm checks against, set from ``KERAS`` below.
+    _OPTIMIZER = _LOSS_SCALE = _CALLBACK = _DEFAULT_MODEL = _SGD = None
+    _ZERO_PRESERVING = ()
 
     def __init_subclass__(cls, **kwargs):
         # The classes an algorithm checks against, from the flavour's Keras.
@@ -123,6 +134,91 @@ class OptimizerHost:
     def _describe(obj):
         return f"{type(obj).__module__}.{type(obj).__name__}"
 
+    # ------------------------------------------ the Keras base, state variables
+    def _init_base(self, name, learning_rate=None, **kwargs):
+        """Initialises the flavour's Keras ``Optimizer`` base (then `_note_loading`)."""
+        raise NotImplementedError
+
+    def _new_variable(self, shape, dtype, name, initial=0.0, sync="none", reference=None):
+        """A non-trainable ``tf.Variable`` tracked (saved) by this optimizer;
+        ``sync``: "none", "sum" or "first" across replicas; ``reference``:
+        the model variable it belongs to (named after it)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _tf_variable(variable):
+        """The ``tf.Variable`` behind a model or optimizer variable."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _path(variable):
+        """A variable's path (Keras 3) or name (tf_keras), for names and matching."""
+        raise NotImplementedError
+
+    def _variable_key(self, variable):
+        """The key this optimizer files ``variable``'s state under (Keras's
+        own key, the same for a variable and its distributed copies)."""
+        return self._var_key(variable)  # pylint: disable=protected-access
+
+    def _variable_index(self, variable):
+        """``variable``'s index among the variables this optimizer was built with."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _index_in(owner, variable):
+        """``variable``'s index among the variables ``owner`` was built with."""
+        raise NotImplementedError
+
+    def _built_variables(self):
+        """The model variables this optimizer was built with, in order."""
+        return list(self._trainable_variables)  # pylint: disable=protected-access
+
+    def _strategy(self):
+        """The ``tf.distribute`` strategy this optimizer was made under."""
+        return self._distribution_strategy  # pylint: disable=protected-access
+
+    def _untracked(self, value):
+        """``value`` kept as an attribute without being tracked (saved)."""
+        return self._no_dependency(value)  # pylint: disable=protected-access
+
+    def _forget_own_variables(self):
+        """Drops the variables the Keras base made for this optimizer (one
+        whose ``variables`` are its inner optimizer's only)."""
+        self._variables = []  # pylint: disable=protected-access
+
+    @staticmethod
+    def _filter_empty(grads, variables):
+        """The flavour's own warning (and error) for None gradients."""
+        raise NotImplementedError
+
+    # ------------------------------------------- other optimizers, the model
+    @classmethod
+    def _slots_of(cls, optimizer, var_list):
+        """Maps each weight's `_variable_key` to its per-entry slots in
+        ``optimizer``'s chain (as ``tf.Variable``s)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _ema_momentum(owner):
+        """The momentum ``owner``'s EMA (``use_ema``) used in the step just made."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _report(model, x, y, y_pred, sample_weight):
+        """The logs the flavour's train step would give for this batch."""
+        raise NotImplementedError
+
+    @classmethod
+    def _loss_terms(cls, model, y, y_pred, sample_weight):
+        """Each loss ``compile`` gave ``model``, as a `LossTerm` for this batch."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _extra_losses(model):
+        """``(all, data_dependent)``: how many losses ``model`` adds to the
+        compiled ones, and how many of them depend on the batch."""
+        raise NotImplementedError
+
     # ------------------------------------------------------ after a load
     @classmethod
     def _loading(cls):
@@ -132,6 +228,11 @@ class OptimizerHost:
         tells an optimizer nothing of the model it is loaded for, and a
         loaded optimizer belongs to exactly that model."""
         root = os.path.dirname(cls.KERAS.__file__) + os.sep
+        # Kept here, in the hosts, on purpose: neither Keras passes the
+        # model to the optimizer it deserialises, and the alternatives
+        # (wrapping each flavour's loader functions, or asking users to
+        # call `attach` after every load) would patch Keras globally or
+        # break `load_model` alone. Each host names its loaders (`_LOADERS`).
         frame = sys._getframe(1)  # pylint: disable=protected-access
         while frame is not None:
             code = frame.f_code
@@ -160,13 +261,13 @@ class OptimizerHost:
         down that the SavedModel directory it was loaded from holds (tf_keras
         reads a SavedModel's weights back but not its optimizer's). Left to
         an optimizer above this one that was loaded too: it restores all."""
-        from tf_gradkit import _model_hooks  # noqa: PLC0415
+        from tf_gradkit import _optimizer_tree  # noqa: PLC0415
 
         model = self._model_loaded_for()
         directory = getattr(self, "_saved_model_dir", None)
         if model is None or directory is None:
             return
-        path = _model_hooks.path_to(getattr(model, "optimizer", None), self)
+        path = _optimizer_tree.path_to(getattr(model, "optimizer", None), self)
         if path is None or any(getattr(o, "_saved_model_dir", None) for o in path[:-1]):
             return
         import tensorflow as tf  # noqa: PLC0415
@@ -179,7 +280,7 @@ class OptimizerHost:
             node = tf.train.Checkpoint(**{name: node})
         with tf.init_scope():
             node.restore(os.path.join(directory, "variables", "variables")).expect_partial()
-        for optimizer in _model_hooks.optimizer_chain(self):
+        for optimizer in _optimizer_tree.optimizer_chain(self):
             if getattr(optimizer, "_saved_model_dir", None):
                 optimizer._saved_model_dir = None  # pylint: disable=protected-access
 
@@ -260,7 +361,8 @@ class OptimizerHost:
 
     @staticmethod
     def _divisor_weights(loss, sample_weight, mask):
-        """The sample weights a ``"weighted_mean"`` loss divides by."""
+        """The sample weights a ``"weighted_mean"`` loss divides by; only a
+        host whose `_loss_terms` gives that reduction (Keras 3) has them."""
         raise NotImplementedError
 
     # -------------------------------------------------------- serialisation
@@ -409,6 +511,51 @@ class WrapperHost(OptimizerHost):
     def finalize_variable_values(self, var_list):
         self._finalize(var_list)
 
+    def _inner_apply(self, grads, variables, aggregated=False):
+        """Hands ``grads`` to the inner optimizer once (``aggregated``: already
+        summed over replicas)."""
+        raise NotImplementedError
+
+    def _inner_loss_scale(self):
+        """What the inner chain multiplies the loss by (1.0 without a scale)."""
+        raise NotImplementedError
+
+    def _is_built(self):
+        """Whether this wrapper has built its state."""
+        raise NotImplementedError
+
+    def _note_loss_scale_outside(self):
+        """Called when a loss-scale optimizer is put around this wrapper
+        (tf_keras tells the optimizer it wraps); nothing to do by default."""
+
+
+class StateHost(OptimizerHost):
+    """The flavour-free part of the host of an optimizer with its own state
+    (the flavour's ``build`` calls the algorithm's ``_build_own``)."""
+
+
+class SlotHost(OptimizerHost):
+    """The flavour-free part of the host of a per-variable optimizer (the
+    flavour's ``build`` calls ``_prepare`` and ``_build_slots``, its
+    ``update_step`` ``_update_one``)."""
+
+    def _new_slot(self, reference, shape, initial, name):
+        """A slot variable of ``reference`` (saved with the optimizer)."""
+        raise NotImplementedError
+
+    def _assign(self, variable, value):
+        """Assigns ``value`` to a slot the way the flavour's update does."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _read(slot):
+        """A slot's ``tf.Variable`` (or value) for the core."""
+        raise NotImplementedError
+
+    def _learning_rate_config(self):
+        """The learning rate's entry of ``get_config`` ({} where Keras saves it)."""
+        raise NotImplementedError
+
 
 def _imported_function(module_name, qualname):
     """The plain function ``module_name.qualname`` if that module is
@@ -480,3 +627,75 @@ def layer_kinds(layers):
         "layer_norm": (layers.LayerNormalization,),
         "batch_norm": (layers.BatchNormalization,),
     }
+
+
+# ------------------------------------------------------- host module names
+# A host module's attributes: its name, its Keras's Optimizer base, how a
+# class registers with its Keras, the members its Keras sets only on
+# optimizer instances (which the host classes may override).
+HOST_ATTRIBUTES = ("FLAVOUR", "Optimizer", "register", "KERAS_INSTANCE_ATTRIBUTES")
+
+# ------------------------------------------------------------ host functions
+# What a host module gives the tools that hold a model, a layer or an
+# optimizer rather than being one, each with its contract. A host module
+# defines every one of them (`tests/test_host_contract.py`); the functions
+# below are the same for both flavours (Keras names those members alike)
+# and hosts take them from here.
+HOST_FUNCTIONS = {
+    "serves": "serves(obj) -> bool: whether obj (model, layer, optimizer, "
+              "variable, loss, callback) belongs to this flavour's Keras",
+    "check_backend": "check_backend(owner): raises unless this Keras runs on TensorFlow",
+    "constraint_class": "constraint_class(set_class): the Keras constraint of a core.sets set",
+    "layer_kinds": "layer_kinds(): kind -> this flavour's layer classes the gradient tools know",
+    "watch_applied_gradients": "watch_applied_gradients(optimizer, record) -> unwatch: "
+                               "record(grads, variables) sees every gradient it applies",
+    "resume_fit_at": "resume_fit_at(model, epoch, step) -> bool: the next fit starts "
+                     "there (True: at that epoch's first step)",
+    "forget_resume": "forget_resume(model): a later fit starts where it is told",
+    "steps_per_execution": "steps_per_execution(model) -> int",
+    "optimizer_map": "optimizer_map(optimizer): a dispatcher's (MultiOptimizer's) "
+                     "map of variable groups to optimizers, or None",
+    "built_variables": "built_variables(optimizer): the variables it was built with",
+    "is_built": "is_built(optimizer) -> bool",
+    "compiled_loss_weights": "compiled_loss_weights(model): compile's loss_weights or None",
+    "loss_fn_kwargs": "loss_fn_kwargs(loss) -> dict: the keyword arguments a "
+                      "function-wrapping Keras loss passes its function",
+    "is_variable": "is_variable(obj) -> bool: a model variable (or tf.Variable)",
+    "dataset_graph": "dataset_graph(dataset) -> GraphDef bytes tensor of a tf.data pipeline",
+}
+
+
+def optimizer_map(optimizer):
+    """See `HOST_FUNCTIONS` (Keras 3.15's ``MultiOptimizer`` keeps it privately)."""
+    return getattr(optimizer, "_optimizer_map", None)
+
+
+def built_variables(optimizer):
+    """See `HOST_FUNCTIONS`."""
+    return list(getattr(optimizer, "_trainable_variables", None) or [])
+
+
+def is_built(optimizer):
+    """See `HOST_FUNCTIONS` (tf_keras keeps ``_built``, Keras 3 ``built``)."""
+    return bool(getattr(optimizer, "built", False) or getattr(optimizer, "_built", False))
+
+
+def compiled_loss_weights(model):
+    """See `HOST_FUNCTIONS` (both flavours keep it in ``_compile_config``)."""
+    config = getattr(getattr(model, "_compile_config", None), "config", None) or {}
+    return config.get("loss_weights")
+
+
+def loss_fn_kwargs(loss):
+    """See `HOST_FUNCTIONS` (``LossFunctionWrapper._fn_kwargs`` in both)."""
+    return getattr(loss, "_fn_kwargs", None) or getattr(loss, "fn_kwargs", None) or {}
+
+
+def is_variable(obj):
+    """See `HOST_FUNCTIONS`: anything with TensorFlow's variable identity."""
+    return hasattr(obj, "_unique_id") and hasattr(obj, "assign")
+
+
+def dataset_graph(dataset):
+    """See `HOST_FUNCTIONS` (tf.data keeps the serialised graph privately)."""
+    return dataset._as_serialized_graph()  # pylint: disable=protected-access

@@ -19,7 +19,11 @@ from tf_keras.src.optimizers.optimizer import CallableList
 from tf_keras.src.utils import generic_utils
 
 from tf_gradkit._hosts import protocol
-from tf_gradkit._model_hooks import optimizer_chain
+# Host functions both flavours share (see `protocol.HOST_FUNCTIONS`).
+from tf_gradkit._hosts.protocol import (  # noqa: F401
+    built_variables, compiled_loss_weights, dataset_graph, is_built, is_variable,
+    loss_fn_kwargs, optimizer_map)
+from tf_gradkit import _optimizer_tree
 
 FLAVOUR = "tf_keras"
 Optimizer = tf_keras.optimizers.Optimizer
@@ -28,6 +32,18 @@ _SYNC = {"sum": (tf.VariableSynchronization.ON_READ, tf.VariableAggregation.SUM)
          "first": (tf.VariableSynchronization.ON_READ,
                    tf.VariableAggregation.ONLY_FIRST_REPLICA),
          "none": (tf.VariableSynchronization.AUTO, tf.VariableAggregation.NONE)}
+
+
+# Members of this Keras's optimizers that exist only on instances: tf_keras sets these on an optimizer instance (its LossScaleOptimizer
+# the first); the hosts override them as properties.
+KERAS_INSTANCE_ATTRIBUTES = ("_is_wrapped_by_loss_scale_optimizer", "built")
+
+
+def serves(obj):
+    """Whether ``obj`` belongs to tf_keras (a layer or model, optimizer,
+    variable, loss or callback of it)."""
+    return isinstance(obj, (tf_keras.layers.Layer, tf_keras.optimizers.Optimizer, tf_keras.losses.Loss, tf_keras.callbacks.Callback,
+                           tf_keras.mixed_precision.LossScaleOptimizer))
 
 
 def check_backend(owner):
@@ -136,6 +152,14 @@ class OptimizerHost(protocol.OptimizerHost):
         return terms
 
     @staticmethod
+    def _divisor_weights(loss, sample_weight, mask):
+        """Never asked: tf_keras has no reduction that divides by the sample
+        weights (`_loss_terms` gives none), so this refuses, naming it."""
+        del sample_weight, mask
+        raise ValueError(f"tf_keras has no 'weighted_mean' reduction; the loss "
+                         f"{type(loss).__name__} reduces with {loss.reduction!r}.")
+
+    @staticmethod
     def _extra_losses(model):
         """``(all, data_dependent)``: see the Keras 3 host. tf_keras keeps
         weight regularizers as callables, the others as tensors."""
@@ -185,7 +209,7 @@ class WrapperHost(protocol.WrapperHost, OptimizerHost):
         skips and scale changes out of step with the outer one's: the loss
         then ends elsewhere), and tells the wrappers below."""
         me = type(self).__name__
-        for inner in optimizer_chain(self.inner_optimizer):
+        for inner in _optimizer_tree.optimizer_chain(self.inner_optimizer):
             if self._is_loss_scale(inner):
                 raise TypeError(
                     f"{me}({type(inner).__name__}(...)) is being wrapped in another "
@@ -267,7 +291,7 @@ class WrapperHost(protocol.WrapperHost, OptimizerHost):
                                              skip_gradients_aggregation=aggregated)
 
 
-class StateHost(OptimizerHost):
+class StateHost(protocol.StateHost, OptimizerHost):
     """tf_keras glue of an optimizer with state of its own (``_build_own``)."""
 
     def build(self, var_list):
@@ -283,7 +307,7 @@ class StateHost(OptimizerHost):
         return getattr(self, "_built", False)
 
 
-class SlotHost(OptimizerHost):
+class SlotHost(protocol.SlotHost, OptimizerHost):
     """tf_keras glue of a per-variable optimizer (``update_step``)."""
 
     def build(self, var_list):

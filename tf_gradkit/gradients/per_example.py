@@ -162,7 +162,7 @@ def per_example_gradient_norms(model, loss_fn, x, y, sample_weight=None,
 def _plan(model, training):
     """``[(layer, rule)]`` for the layers whose taps and rules give every
     trainable variable's norms; refuses (naming the layers) if some are left."""
-    kinds = _taps.layer_kinds()
+    kinds = _taps.layer_kinds(model, "per_example_gradient_norms")
     plan, covered, refused = [], set(), {}
     for layer in _taps.flat_layers(model):
         if not layer.trainable or not layer.trainable_weights:

@@ -10,6 +10,8 @@ import sets ``TF_USE_LEGACY_KERAS=1`` for the whole process): a layer with a
 import tensorflow as tf
 import tf_keras
 
+from tf_gradkit._hosts import protocol
+
 _LossScaleOptimizer = tf_keras.mixed_precision.LossScaleOptimizer
 
 
@@ -103,7 +105,7 @@ def check_masks(masks, who):
     for variable, mask in items:
         if hasattr(variable, "deref"):
             variable = variable.deref()
-        if not hasattr(variable, "_unique_id") or not hasattr(variable, "assign"):
+        if not protocol.is_variable(variable):
             raise TypeError(
                 f"{who}: `masks` keys must be model variables (or their "
                 f"`.ref()`). Received a key of type {_kind(variable)}.")

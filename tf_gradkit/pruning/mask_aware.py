@@ -9,7 +9,8 @@ for the tf_keras host by `tf_gradkit.pruning`.
 from tf_gradkit import _hosts
 from tf_gradkit._algorithms.masked_update import MaskedUpdate
 from tf_gradkit._algorithms.wrapper import unexpected_arguments
-from tf_gradkit._model_hooks import bind_after_load, optimizer_chain
+from tf_gradkit._model_hooks import bind_after_load
+from tf_gradkit._optimizer_tree import optimizer_chain
 from tf_gradkit.core.masks import Masks
 from tf_gradkit._hosts import tf_keras as _tf_keras_host
 from tf_gradkit.pruning import _masks
@@ -109,9 +110,9 @@ class MaskAware(MaskedUpdate):
 
     def _init_mask_aware(self, optimizer, name):
         self._init_wrapper(optimizer, name, {})
-        self._variables = []  # no state of its own: `variables` is the inner's
-        self.masks = Masks(self._var_key)
-        self._targets = self._no_dependency([])
+        self._forget_own_variables()  # `variables` is the inner's
+        self.masks = Masks(self._variable_key)
+        self._targets = self._untracked([])
         # The masks go down the chain, to the optimizers that can use them.
         for inner in optimizer_chain(optimizer):
             if getattr(type(inner), "accepts_masks", False):
@@ -133,8 +134,8 @@ class MaskAware(MaskedUpdate):
         explicit = [] if masks is None else _masks.check_masks(masks, _WHO)
         self.masks.attach(wrappers, explicit)
         self._from_model = bool(wrappers)
-        if getattr(self, "_built", False):  # loaded: state restored, no masks yet
-            self._build_own(self._trainable_variables)
+        if self._is_built():  # loaded: state restored, no masks yet
+            self._build_own(self._built_variables())
         return self
 
     def _table(self):

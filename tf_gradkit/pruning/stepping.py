@@ -27,7 +27,8 @@ import sys
 import tensorflow as tf
 import tf_keras
 
-from tf_gradkit._model_hooks import optimizer_chain
+from tf_gradkit import _hosts
+from tf_gradkit._optimizer_tree import optimizer_chain
 from tf_gradkit.pruning import _masks
 
 
@@ -82,8 +83,8 @@ class UpdatePruningStepFromOptimizer(tf_keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         del logs
         self.prunable_layers = _masks.pruning_wrappers(self.model)
-        per_execution = getattr(self.model, "_steps_per_execution", None)
-        per_execution = 1 if per_execution is None else int(per_execution.numpy())
+        host = _hosts.host_for(self.model, "model", "UpdatePruningStepFromOptimizer")
+        per_execution = host.steps_per_execution(self.model)
         if per_execution > 1 and _accumulation_steps(self.model.optimizer) > 1:
             raise ValueError(
                 "UpdatePruningStepFromOptimizer: steps_per_execution="

@@ -6,7 +6,6 @@ import tf_keras
 from tf_gradkit._algorithms import exact_resume as _exact_resume
 from tf_gradkit._algorithms import precise_bn as _precise_bn
 from tf_gradkit._algorithms import update_monitor as _update_monitor
-from tf_gradkit._hosts import tf_keras as _host
 
 __all__ = ["ExactBackupAndRestore", "PreciseBatchNorm", "UpdateMonitor"]
 
@@ -22,4 +21,3 @@ class PreciseBatchNorm(_precise_bn.PreciseBatchNorm, tf_keras.callbacks.Callback
 
 class ExactBackupAndRestore(_exact_resume.ExactBackupAndRestore, tf_keras.callbacks.Callback):
     __doc__ = _exact_resume.ExactBackupAndRestore.__doc__
-    _HOST = _host

@@ -1,0 +1,106 @@
+"""The optimizer tree: what an optimizer wraps (``inner_optimizer``) or
+dispatches variable groups to (``optimizers``: Keras 3.15's
+``MultiOptimizer``), walked the same way for every flavour. What a
+dispatcher keeps privately (its map, its variables) is read through the host
+of its flavour (`tf_gradkit._hosts.host_of`)."""
+
+
+def _host_call(optimizer, hook, default):
+    """``host.<hook>(optimizer)`` for the host serving ``optimizer``, or
+    ``default`` when no host serves it."""
+    from tf_gradkit import _hosts  # noqa: PLC0415  (the hosts import this module)
+
+    host = _hosts.host_of(optimizer)
+    return default if host is None else getattr(host, hook)(optimizer)
+
+
+def sub_optimizers(optimizer):
+    """The optimizers ``optimizer`` hands work to: the one it wraps
+    (``inner_optimizer``: our wrappers, Keras's LossScaleOptimizer) or the
+    ones it dispatches variable groups to (``optimizers``: Keras 3.15's
+    ``MultiOptimizer``, whose list is complete once it is built)."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        return [inner]
+    group = getattr(optimizer, "optimizers", None)
+    return list(group) if isinstance(group, (list, tuple)) else []
+
+
+def declared_groups(optimizer):
+    """``[(key, optimizer)]``: the optimizers a dispatcher's map names
+    (Keras 3.15's ``MultiOptimizer(OptimizerMap)``: one per key, then the
+    default under ``None``; a mapping with ``values()``: its values), whether
+    or not a variable was given to them. Empty for a function or a
+    non-dispatcher."""
+    mapping = _host_call(optimizer, "optimizer_map", None)
+    if mapping is None or not isinstance(getattr(optimizer, "optimizers", None),
+                                         (list, tuple)):
+        return []
+    if hasattr(mapping, "default_optimizer"):  # OptimizerMap: keys, then the default
+        return [(key, mapping[key]) for key in mapping] + [
+            (None, mapping.default_optimizer)]
+    if hasattr(mapping, "values") and hasattr(mapping, "keys"):
+        return [(key, mapping[key]) for key in mapping.keys()]
+    return []
+
+
+def check_groups(root):
+    """Refuses, once every dispatcher below ``root`` (included) is built, an
+    optimizer a map names that was given no variable: Keras's
+    ``OptimizerMap`` matches a key against the whole variable path
+    (``re.fullmatch``), so ``"encoder/"`` matches nothing and that group's
+    variables go to the default optimizer, every micro-batch, in silence."""
+    for dispatcher in optimizer_chain(root):
+        if not getattr(dispatcher, "built", False):
+            continue
+        given = [o for o in sub_optimizers(dispatcher) if getattr(o, "built", False)]
+        for key, sub in declared_groups(dispatcher):
+            if key is None or any(sub is o for o in given):
+                continue  # a default without variables is not a mistake
+            raise ValueError(
+                f"{type(dispatcher).__name__}: the key {key!r} of its OptimizerMap "
+                f"matched no variable, so its {type(sub).__name__} would never run "
+                "and those variables would go to the default optimizer. Keys are "
+                "matched against each variable's whole path (re.fullmatch): write "
+                f"{str(key).rstrip('/') + '/.*'!r} for every variable under "
+                f"{str(key).rstrip('/')!r}; the paths are "
+                f"{[getattr(v, 'path', v.name) for v in _host_call(dispatcher, 'built_variables', [])]}.")
+
+
+def _groups_unknown(optimizer):
+    """A dispatcher (``optimizers``) not built yet: its list may grow."""
+    return isinstance(getattr(optimizer, "optimizers", None), (list, tuple)) and not \
+        getattr(optimizer, "built", True)
+
+
+def dispatches(optimizer):
+    """Whether ``optimizer`` gives each of its sub-optimizers only a group of
+    the variables (``MultiOptimizer``), rather than wrapping one."""
+    return getattr(optimizer, "inner_optimizer", None) is None and bool(
+        sub_optimizers(optimizer))
+
+
+def optimizer_chain(optimizer):
+    """``optimizer`` and every optimizer below it (wrapped or dispatched to),
+    outermost first, depth first, each once."""
+    chain = []
+    stack = [] if optimizer is None else [optimizer]
+    while stack:
+        current = stack.pop()
+        if any(current is o for o in chain):
+            continue
+        chain.append(current)
+        stack.extend(reversed(sub_optimizers(current)))
+    return chain
+
+
+def path_to(root, optimizer):
+    """The optimizers from ``root`` down to ``optimizer`` (both included), or
+    None when ``optimizer`` is not below ``root``."""
+    if root is optimizer:
+        return [root]
+    for sub in sub_optimizers(root):
+        below = path_to(sub, optimizer)
+        if below is not None:
+            return [root] + below
+    return None
