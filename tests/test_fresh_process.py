@@ -297,9 +297,15 @@ def test_deserialize_and_from_config_in_a_fresh_process(fresh, name):
 _LATER = r"""
 import os, sys
 before = dict(os.environ)
+import warnings
 import tf_gradkit
 assert {later!r} not in sys.modules, "TensorFlow imported it"
-import {later} as K
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    {first}
+    import {later} as K
+ours = [str(w.message) for w in caught if "tf_gradkit" in str(w.message)]
+assert not ours, ours
 from tf_gradkit._hosts import OPTIMIZERS
 from tf_gradkit.core.sets import SETS
 names = (list(OPTIMIZERS) + [s.__name__ for s in SETS] + ["AccumBatchNormalization"]
@@ -314,14 +320,20 @@ assert not [f for f in sys.meta_path if type(f).__module__ == "tf_gradkit._regis
 """
 
 
-def test_a_keras_imported_after_tf_gradkit_has_its_classes_registered():
+@pytest.mark.parametrize("first", ["", "import tf_gradkit.{package}",
+                                   "import tf_gradkit._hosts.{package}"])
+def test_a_keras_imported_after_tf_gradkit_has_its_classes_registered(first):
     # TensorFlow imports the Keras tf.keras is; the other one, imported
     # later (by tfmot, say), gets every class a saved file can name as soon
-    # as its import finishes; tfmot is not imported for MaskAware.
+    # as its import finishes; tfmot is not imported for MaskAware. Also when
+    # it is tf_gradkit's own flavour package (or host) that imports it: the
+    # host, half-run then, registers the rest when it ends (without that,
+    # MaskAware was missing, with a warning).
     later = "keras" if FLAVOUR == "tf_keras" else "tf_keras"
     package = "keras3" if later == "keras" else "tf_keras"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", _LATER.format(later=later, package=package)],
+    code = _LATER.format(later=later, package=package, first=first.format(package=package))
+    out = subprocess.run([sys.executable, "-c", code],
                          env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     assert out.returncode == 0, out.stderr[-3000:]
 

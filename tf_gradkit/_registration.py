@@ -28,9 +28,37 @@ import warnings
 from tf_gradkit import _flavour
 
 
+_DEFERRED = set()  # flavours whose host module was being imported when its Keras came
+
+
+def _initializing(name):
+    module = sys.modules.get(name)
+    return module is not None and getattr(getattr(module, "__spec__", None),
+                                          "_initializing", False)
+
+
 def register(flavour):
     """Imports the modules that register ``flavour``'s classes; warns (and
-    leaves ``load_model`` to say which class it misses) if one fails."""
+    leaves ``load_model`` to say which class it misses) if one fails.
+
+    When the flavour's own host module is what imported its Keras (``import
+    tf_gradkit.tf_keras`` in a Keras 3 process before tf_keras), those modules
+    cannot be imported yet (the host is half-run): the host's last line calls
+    `host_ready`, which registers them then."""
+    if _initializing(f"tf_gradkit._hosts.{flavour}"):
+        _DEFERRED.add(flavour)
+        return
+    _register_now(flavour)
+
+
+def host_ready(flavour):
+    """Called at the end of a host module: a registration deferred while it ran."""
+    if flavour in _DEFERRED:
+        _DEFERRED.discard(flavour)
+        _register_now(flavour)
+
+
+def _register_now(flavour):
     for name in _flavour.REGISTERING_MODULES[flavour]:
         try:
             importlib.import_module(name)

@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_gradkit import _optimizer_tree
+from tf_gradkit import _optimizer_tree, _registration
 from tf_gradkit._hosts import protocol
 # Host functions both flavours share (see `protocol.HOST_FUNCTIONS`).
 from tf_gradkit._hosts.protocol import (  # noqa: F401
@@ -426,3 +426,8 @@ def forget_resume(model):
 
 def steps_per_execution(model):
     return int(model.steps_per_execution or 1)
+
+
+# Last: the registration of this flavour's classes that its Keras's import
+# asked for while this module was still running (see `_registration.register`).
+_registration.host_ready(FLAVOUR)

@@ -23,7 +23,7 @@ from tf_gradkit._hosts import protocol
 from tf_gradkit._hosts.protocol import (  # noqa: F401
     built_variables, compiled_loss_weights, dataset_graph, is_built, is_variable,
     loss_fn_kwargs, optimizer_map)
-from tf_gradkit import _optimizer_tree
+from tf_gradkit import _optimizer_tree, _registration
 
 FLAVOUR = "tf_keras"
 Optimizer = tf_keras.optimizers.Optimizer
@@ -439,3 +439,8 @@ def _check_no_other_start(model):
 def steps_per_execution(model):
     value = getattr(model, "_steps_per_execution", None)
     return 1 if value is None else int(value.numpy())
+
+
+# Last: the registration of this flavour's classes that its Keras's import
+# asked for while this module was still running (see `_registration.register`).
+_registration.host_ready(FLAVOUR)
