@@ -1,0 +1,208 @@
+"""Jacobians of per-example residuals from layer taps (LM's tapped linearisation).
+
+For residuals ``R [B, m]`` of a model whose examples do not interact, one
+forward pass taps each layer's input ``a_i`` and pre-activation output
+``z_i``, and one backward pass per residual column (``m`` of them, one
+vectorised pass) gives ``g_ik = d(sum_j R_jk)/dz_i = dR_ik/dz_i``; each layer
+kind's rule turns ``(a_i, g_ik)`` into its rows of the Jacobian
+(`core.jacobian_rows`). That costs about one forward and ``m`` backward
+passes instead of one forward-mode product per parameter.
+
+`plan` says whether a model can be linearised this way, from what its layers
+can do: every layer of a graph model (Sequential or functional, no call of
+its own) either has a Jacobian rule for its solved weights (Dense, Conv1D and
+Conv2D, Embedding, LayerNormalization, BatchNormalization at inference) or is
+a layer kind that keeps the examples apart (`_hosts.protocol.PER_EXAMPLE_LAYERS`,
+or any rule's layer in a mode its rule supports). Anything else, such as a
+subclassed model's own ``call``, an operation between layers, a
+BatchNormalization in training or a layer without a rule, gets the reason
+back, and the caller linearises by automatic differentiation instead.
+"""
+
+import contextlib
+from typing import Callable, NamedTuple
+
+import tensorflow as tf
+
+from tf_gradkit import _layer_taps as _taps
+from tf_gradkit.core import jacobian_rows
+from tf_gradkit.gradients import norm_rules
+from tf_gradkit.gradients import per_example
+
+__all__ = ["JacobianRule", "RULES", "plan", "residuals_and_jacobian"]
+
+
+class JacobianRule(NamedTuple):
+    """A layer kind's rule: `norm_rules.NormRule`'s ``variables``,
+    ``supports`` and ``tap``, and ``rows(layer, calls, dtype)``: from each
+    call's ``(record, g [m, B, ...])`` the rows ``[B, m, *shape]`` of each of
+    ``variables(layer)``."""
+
+    variables: Callable
+    supports: Callable
+    tap: str
+    rows: Callable
+
+
+def _matmul_rows(layer, a, g, dtype):
+    out = [jacobian_rows.matmul_rows(a, g, dtype)]
+    if getattr(layer, "use_bias", False):
+        out.append(jacobian_rows.bias_rows(g, dtype))
+    return out
+
+
+def _concat_calls(tensors, axis):
+    return tensors[0] if len(tensors) == 1 else tf.concat(tensors, axis)
+
+
+def _flat_rows(t, lead):
+    shape = tf.shape(t)
+    return tf.reshape(t, tf.concat([shape[:lead], [-1], shape[-1:]], 0))
+
+
+def _dense_rows(layer, calls, dtype):
+    # A layer called several times: its calls' rows concatenate (rows add).
+    a = _concat_calls([_flat_rows(tf.convert_to_tensor(r["input"]), 1)
+                       for r, _ in calls], 1)
+    g = _concat_calls([_flat_rows(gz, 2) for _, gz in calls], 2)
+    return _matmul_rows(layer, a, g, dtype)
+
+
+def _conv_rows(layer, calls, dtype):
+    a = _concat_calls([norm_rules.conv_patches_of(layer, r["input"])
+                       for r, _ in calls], 1)
+    g = _concat_calls([_flat_rows(gz, 2) for _, gz in calls], 2)
+    rows = _matmul_rows(layer, a, g, dtype)
+    shape = tf.shape(rows[0])
+    rows[0] = tf.reshape(rows[0], tf.concat([shape[:2], tf.shape(layer.kernel)], 0))
+    return rows
+
+
+def _embedding_rows(layer, calls, dtype):
+    ids = _concat_calls([tf.reshape(r["input"], [tf.shape(r["input"])[0], -1])
+                         for r, _ in calls], 1)
+    g = _concat_calls([_flat_rows(gz, 2) for _, gz in calls], 2)
+    return [jacobian_rows.embedding_rows(ids, g, layer.input_dim, dtype)]
+
+
+def _scale_shift_rows(normalize):
+    def rows(layer, calls, dtype):
+        gammas, betas = [], []
+        for record, gz in calls:
+            inputs = tf.cast(tf.convert_to_tensor(record["input"]), dtype)
+            gamma, beta = jacobian_rows.scale_shift_rows(
+                normalize(layer, inputs), gz, norm_rules._axes(layer), dtype)  # pylint: disable=protected-access
+            gammas.append(gamma)
+            betas.append(beta)
+        return ([tf.add_n(gammas)] if getattr(layer, "scale", True) else []) + \
+            ([tf.add_n(betas)] if getattr(layer, "center", True) else [])
+
+    return rows
+
+
+def _from_norm_rule(kind, rows):
+    rule = norm_rules.RULES[kind]
+    return JacobianRule(rule.variables, rule.supports, rule.tap, rows)
+
+
+# pylint: disable=protected-access
+RULES = {
+    "dense": _from_norm_rule("dense", _dense_rows),
+    "conv": _from_norm_rule("conv", _conv_rows),
+    "embedding": _from_norm_rule("embedding", _embedding_rows),
+    "layer_norm": _from_norm_rule("layer_norm",
+                                  _scale_shift_rows(norm_rules._layer_normalized)),
+    "batch_norm": _from_norm_rule("batch_norm",
+                                  _scale_shift_rows(norm_rules._batch_normalized)),
+}
+# pylint: enable=protected-access
+
+
+def _graph_reason(model, kinds):
+    """Why ``model``'s call may mix examples (None: it is its graph of layers)."""
+    graph = kinds.get("graph_models", ())
+    if not isinstance(model, graph) or not any(
+            type(model).call is base.call for base in graph):
+        return (f"{model.name!r} is not a Sequential or functional model (its own "
+                "`call` may mix the examples)")
+    layers = {id(layer) for layer in model.layers}
+    others = [op for op in getattr(model, "operations", ()) if id(op) not in layers]
+    if others:
+        return (f"{model.name!r} applies operations between its layers "
+                f"({type(others[0]).__name__}), which may mix the examples")
+    return None
+
+
+def plan(model, variables, training=True):
+    """``(plan, None)`` with ``plan = [(layer, rule)]`` when taps give the
+    Jacobian of ``model``'s per-example residuals in ``variables``, else
+    ``(None, why)``."""
+    kinds = _taps.layer_kinds()
+    why = _graph_reason(model, kinds)
+    if why:
+        return None, why
+    solved = {id(v) for v in variables}
+    steps, covered = [], set()
+    for layer in _taps.flat_layers(model):
+        if getattr(layer, "layers", None) is not None:  # a nested model
+            why = _graph_reason(layer, kinds)
+            if why:
+                return None, why
+            continue
+        kind = _taps.kind_of(layer, kinds)
+        rule = RULES.get(kind)
+        # A layer that is not trainable runs at inference (BatchNormalization
+        # uses its moving statistics then, in both flavours).
+        mode = bool(training) and bool(layer.trainable)
+        if rule is not None:
+            why_not = rule.supports(layer, mode)
+            if why_not:
+                return None, f"layer {layer.name!r}: {why_not}"
+            mine = [v for v in layer.trainable_weights if id(v) in solved]
+            if mine:
+                steps.append((layer, rule))
+                covered.update(id(v) for v in rule.variables(layer))
+            continue
+        if isinstance(layer, kinds.get("per_example", ())) and not layer.weights:
+            continue
+        return None, (f"layer {layer.name!r} ({type(layer).__name__}) has no rule "
+                      "saying that its examples stay apart")
+    missing = [v for v in variables if id(v) not in covered]
+    if missing:
+        return None, (f"no Jacobian rule for the variable "
+                      f"{getattr(missing[0], 'path', missing[0].name)!r}")
+    return steps, None
+
+
+def residuals_and_jacobian(steps, variables, residual_rows, dtype):
+    """``(r [B*m], J [B*m, P])`` of ``residual_rows() -> [B, m]`` (which runs
+    the model) from taps, the columns in ``variables``' order, rows in
+    ``r``'s (example-major)."""
+    records = {id(layer): [] for layer, _ in steps}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(per_example._Taps(steps, records))  # pylint: disable=protected-access
+        tape = stack.enter_context(tf.GradientTape())
+        rows = tf.cast(residual_rows(), dtype)
+        totals = tf.reduce_sum(rows, 0)
+    outputs = [r["output"] for layer, _ in steps for r in records[id(layer)]]
+    zero = tf.UnconnectedGradients.ZERO
+    if rows.shape[1] == 1:
+        grads = [g[None] for g in tape.gradient(totals, outputs,
+                                                unconnected_gradients=zero)]
+    else:
+        grads = tape.jacobian(totals, outputs, unconnected_gradients=zero,
+                              experimental_use_pfor=True)
+    grads = iter(grads)
+    by_id = {}
+    for layer, rule in steps:
+        calls = [(r, next(grads)) for r in records[id(layer)]]
+        if not calls:  # not called in this pass: zero rows
+            continue
+        for variable, block in zip(rule.variables(layer), rule.rows(layer, calls, dtype)):
+            by_id[id(variable)] = by_id[id(variable)] + block if id(variable) in by_id \
+                else block
+    n = tf.size(rows)
+    blocks = [tf.reshape(by_id[id(v)], [n, -1]) if id(v) in by_id
+              else tf.zeros([n, v.shape.num_elements()], dtype) for v in variables]
+    jacobian = blocks[0] if len(blocks) == 1 else tf.concat(blocks, 1)
+    return tf.reshape(rows, [-1]), jacobian
