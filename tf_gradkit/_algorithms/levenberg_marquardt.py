@@ -650,7 +650,13 @@ class LevenbergMarquardt:
                 return lm_losses.per_example(residuals_of(y_pred, yb, wb), y_pred)
             return rows
 
-        if self.chunk_size is None and steps is not None:
+        if (self.chunk_size is None and steps is not None
+                and self.solver.consumes == solvers_lib.MATRIX_FREE):
+            r, jtr, matvec = tapped_jacobian.matrix_free(
+                steps, variables, residual_rows(x, y, sample_weight), dtype)
+            lin = solvers_lib.Linearization(cost=0.5 * tf.reduce_sum(tf.square(r)),
+                                            jtj=None, jtr=jtr, matvec=matvec)
+        elif self.chunk_size is None and steps is not None:
             lin = lin_lib.from_rows(
                 *tapped(residual_rows(x, y, sample_weight)),
                 self.solver.consumes == solvers_lib.JACOBIAN)
@@ -795,9 +801,11 @@ class LevenbergMarquardt:
         elif custom is not None:
             why = ("a residual function of your own (`residuals=`) may mix the "
                    "examples")
-        elif self.solver.consumes == solvers_lib.MATRIX_FREE:
-            why = (f"solver={parts_lib.part_name(self.solver)!r} is matrix-free "
-                   "(it never forms J)")
+        elif self.solver.consumes == solvers_lib.MATRIX_FREE and (
+                self.chunk_size is not None or self.subset is not None
+                or self.masks is not None):
+            why = (f"solver={parts_lib.part_name(self.solver)!r} is matrix-free, "
+                   "which neither chunks nor supports (subset=, masks) combine with")
         else:
             steps, why = tapped_jacobian.plan(model, variables, training=True)
         if why and self.linearization == "taps":

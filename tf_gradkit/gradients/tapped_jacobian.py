@@ -20,7 +20,7 @@ back, and the caller linearises by automatic differentiation instead.
 """
 
 import contextlib
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import tensorflow as tf
 
@@ -36,12 +36,15 @@ class JacobianRule(NamedTuple):
     """A layer kind's rule: `norm_rules.NormRule`'s ``variables``,
     ``supports`` and ``tap``, and ``rows(layer, calls, dtype)``: from each
     call's ``(record, g [m, B, ...])`` the rows ``[B, m, *shape]`` of each of
-    ``variables(layer)``."""
+    ``variables(layer)``; optionally ``products(layer, calls, dtype) ->
+    (jvp, vjp)``: ``jvp(tangents) -> [B, m]`` and ``vjp(u [B, m]) -> [one
+    tensor per variable]`` without forming the rows (matrix-free solvers)."""
 
     variables: Callable
     supports: Callable
     tap: str
     rows: Callable
+    products: Optional[Callable] = None
 
 
 def _matmul_rows(layer, a, g, dtype):
@@ -66,6 +69,36 @@ def _dense_rows(layer, calls, dtype):
                        for r, _ in calls], 1)
     g = _concat_calls([_flat_rows(gz, 2) for _, gz in calls], 2)
     return _matmul_rows(layer, a, g, dtype)
+
+
+def _dense_products(layer, calls, dtype):
+    """``J v`` and ``J^T u`` of a Dense layer from its taps: ``a_i^T V g_ik``
+    summed, and ``sum_ik u_ik a_i^T g_ik``, never the ``[B, m, d, p]`` rows."""
+    a = tf.cast(_concat_calls([_flat_rows(tf.convert_to_tensor(r["input"]), 1)
+                               for r, _ in calls], 1), dtype)
+    g = tf.cast(_concat_calls([_flat_rows(gz, 2) for _, gz in calls], 2), dtype)
+    bias = getattr(layer, "use_bias", False)
+    # Rows (example, position) flattened: the big products are plain matmuls.
+    shape = tf.shape(a)
+    a2 = tf.reshape(a, [-1, shape[-1]])                        # [B*T, d]
+    g2 = tf.reshape(g, [tf.shape(g)[0], -1, tf.shape(g)[-1]])  # [m, B*T, p]
+
+    def jvp(tangents):
+        z = tf.matmul(a2, tangents[0])                          # [B*T, p]
+        if bias:
+            z += tangents[1]
+        out = tf.reshape(tf.reduce_sum(g2 * z[None], -1), [-1, shape[0], shape[1]])
+        return tf.transpose(tf.reduce_sum(out, -1))             # [B, m]
+
+    def vjp(u):
+        per_row = tf.repeat(tf.transpose(u), shape[1], axis=1)  # [m, B*T]
+        weighted = tf.reduce_sum(g2 * per_row[:, :, None], 0)   # [B*T, p]
+        out = [tf.matmul(a2, weighted, transpose_a=True)]
+        if bias:
+            out.append(tf.reduce_sum(weighted, 0))
+        return out
+
+    return jvp, vjp
 
 
 def _conv_rows(layer, calls, dtype):
@@ -107,7 +140,7 @@ def _from_norm_rule(kind, rows):
 
 # pylint: disable=protected-access
 RULES = {
-    "dense": _from_norm_rule("dense", _dense_rows),
+    "dense": _from_norm_rule("dense", _dense_rows)._replace(products=_dense_products),
     "conv": _from_norm_rule("conv", _conv_rows),
     "embedding": _from_norm_rule("embedding", _embedding_rows),
     "layer_norm": _from_norm_rule("layer_norm",
@@ -206,3 +239,71 @@ def residuals_and_jacobian(steps, variables, residual_rows, dtype):
               else tf.zeros([n, v.shape.num_elements()], dtype) for v in variables]
     jacobian = blocks[0] if len(blocks) == 1 else tf.concat(blocks, 1)
     return tf.reshape(rows, [-1]), jacobian
+
+
+def matrix_free(steps, variables, residual_rows, dtype):
+    """``(r [B*m], J^T r [P], matvec)`` with ``matvec(v) = J^T (J v)`` from
+    the taps of one forward and ``m`` backward passes: each product is a
+    few contractions of the stored layer inputs and output gradients (rows
+    are formed only for layers whose rule has no ``products``)."""
+    records = {id(layer): [] for layer, _ in steps}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(per_example._Taps(steps, records))  # pylint: disable=protected-access
+        tape = stack.enter_context(tf.GradientTape())
+        rows = tf.cast(residual_rows(), dtype)
+        totals = tf.reduce_sum(rows, 0)
+    outputs = [r["output"] for layer, _ in steps for r in records[id(layer)]]
+    zero = tf.UnconnectedGradients.ZERO
+    if rows.shape[1] == 1:
+        grads = [g[None] for g in tape.gradient(totals, outputs,
+                                                unconnected_gradients=zero)]
+    else:
+        grads = tape.jacobian(totals, outputs, unconnected_gradients=zero,
+                              experimental_use_pfor=True)
+    grads = iter(grads)
+    index = {id(v): i for i, v in enumerate(variables)}
+    sizes = [v.shape.num_elements() for v in variables]
+    parts = []  # (variable positions, jvp, vjp)
+    for layer, rule in steps:
+        calls = [(r, next(grads)) for r in records[id(layer)]]
+        if not calls:
+            continue
+        where = [(index.get(id(v)), v.shape) for v in rule.variables(layer)]
+        if rule.products is not None:
+            parts.append((where,) + tuple(rule.products(layer, calls, dtype)))
+            continue
+        blocks = rule.rows(layer, calls, dtype)
+        n = tf.size(rows)
+        flat = [tf.reshape(b, [n, -1]) for b in blocks]
+
+        def jvp(tangents, flat=flat):
+            out = tf.add_n([tf.linalg.matvec(f, tf.reshape(t, [-1]))
+                            for f, t in zip(flat, tangents)])
+            return tf.reshape(out, tf.shape(rows))
+
+        def vjp(u, flat=flat):
+            return [tf.linalg.matvec(f, tf.reshape(u, [-1]), transpose_a=True)
+                    for f in flat]
+
+        parts.append((where, jvp, vjp))
+
+    def split(vector):
+        pieces = tf.split(vector, sizes) if len(sizes) > 1 else [vector]
+        return [tf.reshape(p, v.shape) for p, v in zip(pieces, variables)]
+
+    def transpose_product(u):
+        out = [tf.zeros([n], dtype) for n in sizes]
+        for where, _, vjp in parts:
+            for (i, _), grad in zip(where, vjp(u)):
+                if i is not None:
+                    out[i] += tf.reshape(grad, [-1])
+        return tf.concat(out, 0) if len(out) > 1 else out[0]
+
+    def matvec(v):
+        tangents = split(tf.cast(v, dtype))
+        jv = tf.add_n([jvp([tangents[i] if i is not None else
+                            tf.zeros(shape, dtype) for i, shape in where])
+                       for where, jvp, _ in parts])
+        return transpose_product(jv)
+
+    return tf.reshape(rows, [-1]), transpose_product(rows), matvec
