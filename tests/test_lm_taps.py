@@ -92,9 +92,11 @@ def test_tapped_jacobian_equals_forward_mode(K, kind):
         return tf.reshape(out, [tf.shape(out)[0], -1]) - 0.3
 
     r, jac = tapped_jacobian.residuals_and_jacobian(steps, variables, rows, tf.float32)
+    # (tf_keras's Embedding cannot be traced by an eager vectorised JVP
+    # twice, "Duplicate node name": reverse mode is the reference there.)
     r_ref, jac_ref = lin_lib.residuals_and_jacobian(
         lambda: tf.reshape(rows(), [-1]), _tf_vars(variables), tf.float32,
-        mode="forward")
+        mode="reverse" if kind == "embedding" else "forward")
     # Each entry is a sum of at most ~25 float32 products either way.
     scale = float(np.max(np.abs(jac_ref)))
     assert scale > 0
@@ -289,9 +291,6 @@ def test_uncovered_models_fall_back_visibly(K):
     custom = _fit_once(K, K.Sequential([K.Input((3,)), L.Dense(1)]),
                        residuals=lambda m, x, y, w: m(x) - y)
     assert "residuals=" in custom.linearization_used
-    cg = _fit_once(K, K.Sequential([K.Input((3,)), L.Dense(1)]), solver="cg",
-                   scaling="levenberg", chunk_size=4)
-    assert "matrix-free" in cg.linearization_used
 
 
 def test_linearization_argument(gk):
