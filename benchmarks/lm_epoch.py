@@ -9,7 +9,14 @@ epoch to Adam's:
 
   - ``lm``: ``LevenbergMarquardt(model)`` (the mini-batch guard on, default);
   - ``lm-noguard``: ``minibatch_guard=False``;
+  - ``lm-autodiff``: ``linearization="autodiff"`` (the Jacobian by forward
+    mode, one product per parameter, instead of from layer taps);
   - ``adam``: ``Adam(0.01)``.
+
+``--parts`` also times the pieces of one step, each compiled alone (XLA),
+median of 300 calls: Adam's forward and backward pass, the Jacobian from
+taps and by forward mode, ``J^T J`` and ``J^T r``, one damped Cholesky solve
+and one trial (a forward pass and its cost).
 
 ``--steps-per-execution N`` runs N steps per call for every contender (less
 of Keras's per-step work, which is most of a step here).
@@ -51,7 +58,8 @@ def run(name, epochs, steps_per_execution, x, y):
         optimizer = K.optimizers.Adam(0.01)
     else:
         optimizer = tf_gradkit.optimizers.LevenbergMarquardt(
-            model, minibatch_guard=name == "lm")
+            model, minibatch_guard=name != "lm-noguard",
+            linearization="autodiff" if name == "lm-autodiff" else "auto")
     model.compile(optimizer=optimizer, loss="mse", jit_compile=True,
                   steps_per_execution=steps_per_execution)
     timer = EpochTimer()
@@ -61,18 +69,67 @@ def run(name, epochs, steps_per_execution, x, y):
     return float(np.median(timer.times[1:])) * 1e3, mse
 
 
+def parts(x, y):
+    """Milliseconds of each piece of one step on the first batch of 1000."""
+    from tf_gradkit.core import spd
+    from tf_gradkit.core.lm import linearize as lin_lib
+    from tf_gradkit.gradients import tapped_jacobian
+    K.utils.set_random_seed(0)
+    model = K.Sequential([K.Input((1,)), K.layers.Dense(20, activation="tanh"),
+                          K.layers.Dense(1)])
+    xb, yb = tf.constant(x[:1000]), tf.constant(y[:1000])
+    variables = model.trainable_variables
+    tf_vars = [getattr(v, "value", v) if not isinstance(v, tf.Variable) else v
+               for v in variables]
+    steps, _ = tapped_jacobian.plan(model, variables)
+    residuals = lambda: model(xb, training=True) - yb  # noqa: E731
+
+    def backward():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(residuals()))
+        return tape.gradient(loss, tf_vars)
+
+    jac = tapped_jacobian.residuals_and_jacobian(steps, variables, residuals,
+                                                 tf.float32)[1]
+    jtj = tf.matmul(jac, jac, transpose_a=True)
+    pieces = {
+        "adam: forward + backward": backward,
+        "J from taps": lambda: tapped_jacobian.residuals_and_jacobian(
+            steps, variables, residuals, tf.float32),
+        "J by forward mode": lambda: lin_lib.residuals_and_jacobian(
+            residuals, tf_vars, tf.float32, mode="forward"),
+        "J^T J, J^T r": lambda: lin_lib.normal_equations(jac, jac[:, 0]),
+        "damped Cholesky solve": lambda: spd.solve(
+            jtj + 1e-3 * tf.eye(jtj.shape[0]), jtj[:, :1]),
+        "one trial (forward, cost)": lambda: tf.reduce_sum(tf.square(residuals())),
+    }
+    for name, fn in pieces.items():
+        compiled = tf.function(fn, jit_compile=True)
+        compiled()
+        times = []
+        for _ in range(300):
+            t0 = time.perf_counter()
+            tf.nest.map_structure(lambda t: t.numpy(), compiled())
+            times.append(time.perf_counter() - t0)
+        print(f"  {name:28s} {np.median(times) * 1e3:6.3f} ms", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=21)
     parser.add_argument("--steps-per-execution", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--parts", action="store_true")
     args = parser.parse_args()
     x = np.linspace(-1, 1, 20000, dtype="float32")[:, None]
     y = np.sinc(10 * x).astype("float32")
-    names = ("lm", "lm-noguard", "adam")
+    names = ("lm", "lm-noguard", "lm-autodiff", "adam")
     flavour = "tf_keras" if os.environ.get("TF_USE_LEGACY_KERAS") == "1" else "Keras 3"
     print(f"{flavour}, sinc 1-20-1, batch 1000, {args.epochs} epochs, "
           f"steps_per_execution={args.steps_per_execution}")
+    if args.parts:
+        print("part-by-part, one batch of 1000, XLA, median of 300 calls:")
+        parts(x, y)
     for repeat in range(args.repeats):
         rows = {n: run(n, args.epochs, args.steps_per_execution, x, y) for n in names}
         for n in names:

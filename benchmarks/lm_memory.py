@@ -7,7 +7,8 @@ is linearised at once. This script trains a 1-50(tanh)-50(tanh)-1 MLP
 (2701 parameters, so P^2 is small) for a few LM steps with ``model.fit`` and
 ``jit_compile=True`` (full-batch: one step per epoch), for batch sizes 1000
 and 10000 (``--big`` adds 100000), with ``chunk_size=1000`` and
-``chunk_size=None``.
+``chunk_size=None``, each with the Jacobian from layer taps (``linearization=
+"auto"``, the default here) and by forward mode (``"autodiff"``).
 
 Why it is built this way:
 
@@ -47,7 +48,7 @@ RESULT_TAG = "@@RESULT "
 # --------------------------------------------------------------------------
 # Worker: runs in its own process, the only place TensorFlow is imported.
 # --------------------------------------------------------------------------
-def worker(batch, chunk, width, steps, jit):
+def worker(batch, chunk, width, steps, jit, linearization="auto"):
     import keras
     import numpy as np
     import tensorflow as tf
@@ -61,8 +62,9 @@ def worker(batch, chunk, width, steps, jit):
                               keras.layers.Dense(width, activation="tanh"),
                               keras.layers.Dense(width, activation="tanh"),
                               keras.layers.Dense(1)])
-    model.compile(optimizer=LevenbergMarquardt(model, chunk_size=chunk), loss="mse",
-                  jit_compile=jit)
+    model.compile(optimizer=LevenbergMarquardt(model, chunk_size=chunk,
+                                               linearization=linearization),
+                  loss="mse", jit_compile=jit)
     step_seconds = []
 
     class StepTimer(keras.callbacks.Callback):
@@ -100,7 +102,7 @@ def mem_available_gb():
     return None
 
 
-def run_config(batch, chunk, args):
+def run_config(batch, chunk, args, linearization="auto"):
     cap_gb = args.mem_cap_gb or 0.8 * mem_available_gb()
     cap_bytes = int(cap_gb * 1024 ** 3)
 
@@ -109,7 +111,8 @@ def run_config(batch, chunk, args):
 
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--batch", str(batch),
            "--chunk", str(chunk or 0), "--width", str(args.width), "--steps",
-           str(args.steps)] + ([] if args.jit else ["--no-jit"])
+           str(args.steps), "--linearization", linearization] + (
+               [] if args.jit else ["--no-jit"])
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT,
@@ -118,13 +121,15 @@ def run_config(batch, chunk, args):
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_TAG):
             result = json.loads(line[len(RESULT_TAG):])
-            result.update(batch=batch, chunk=chunk, wall_s=wall, cap_gb=cap_gb)
+            result.update(batch=batch, chunk=chunk, wall_s=wall, cap_gb=cap_gb,
+                          linearization=linearization)
             return result
     oom = re.search(r"Out of memory while trying to allocate ([0-9.]+\s*\w+)", proc.stderr)
     error = (f"out of memory under the {cap_gb:.1f} GB cap (XLA asked for "
              f"{oom.group(1)})" if oom else
              f"exit {proc.returncode}: " + " | ".join(proc.stderr.strip().splitlines()[-5:]))
-    return {"batch": batch, "chunk": chunk, "error": error, "wall_s": wall, "cap_gb": cap_gb}
+    return {"batch": batch, "chunk": chunk, "error": error, "wall_s": wall, "cap_gb": cap_gb,
+            "linearization": linearization}
 
 
 def sizes_mb(batch, chunk, params, width):
@@ -151,39 +156,42 @@ def report(results, args, load_start, total):
         "J = rows x P float32 with rows = chunk_size (or the batch); tangents = P x rows x "
         "width float32, what a vectorised forward-mode Jacobian holds for one hidden layer "
         "(an estimate, for scale).", "",
-        "| chunk_size | batch | peak RSS growth MB | growth / batch-1000 growth | "
+        "| linearization | chunk_size | batch | peak RSS growth MB | growth / batch-1000 growth | "
         "s/step (median, steps 2..) | first step s (compile) | attempts per step | "
         "J MB | tangents MB (est.) |",
-        "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
-    base = {r["chunk"]: r["growth_mb"] for r in results
+        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    base = {(r["chunk"], r["linearization"]): r["growth_mb"] for r in results
             if r["batch"] == args.batches[0] and "growth_mb" in r}
     for r in results:
-        chunk = r["chunk"] or "None"
+        chunk, key = r["chunk"] or "None", (r["chunk"], r["linearization"])
         if "error" in r:
-            lines.append(f"| {chunk} | {r['batch']} | failed: {r['error']} | | | | | | |")
+            lines.append(f"| {r['linearization']} | {chunk} | {r['batch']} | failed: "
+                         f"{r['error']} | | | | | | |")
             continue
-        ratio = r["growth_mb"] / base[r["chunk"]] if r["chunk"] in base else float("nan")
+        ratio = r["growth_mb"] / base[key] if key in base else float("nan")
         jac, tan = sizes_mb(r["batch"], r["chunk"], r["params"], args.width)
         step = "n/a" if r["step_s"] is None else f"{r['step_s']:.2f}"
         lines.append(
-            f"| {chunk} | {r['batch']} | {r['growth_mb']:.0f} | {ratio:.2f} | {step} | "
+            f"| {r['linearization']} | {chunk} | {r['batch']} | {r['growth_mb']:.0f} | {ratio:.2f} | {step} | "
             f"{r['first_step_s']:.1f} | {','.join(map(str, r['attempts']))} | {jac:.0f} | "
             f"{tan:.0f} |")
     lines += ["", "## Peak memory at larger batches relative to batch "
-              f"{args.batches[0]}", "", "| chunk_size | " + " | ".join(
+              f"{args.batches[0]}", "", "| linearization | chunk_size | " + " | ".join(
                   f"{b // args.batches[0]}x batch ({b})" for b in args.batches[1:]) + " |",
-              "|---|" + "---:|" * (len(args.batches) - 1)]
-    for chunk in args.chunks:
-        cells = []
-        for b in args.batches[1:]:
-            r = next((r for r in results if r["batch"] == b and r["chunk"] == chunk), None)
-            if r is None:
-                cells.append("not run")
-            elif "error" in r or chunk not in base:
-                cells.append("failed")
-            else:
-                cells.append(f"{r['growth_mb'] / base[chunk]:.2f}x")
-        lines.append(f"| {chunk or 'None'} | " + " | ".join(cells) + " |")
+              "|---|---|" + "---:|" * (len(args.batches) - 1)]
+    for lin in args.linearizations:
+        for chunk in args.chunks:
+            cells = []
+            for b in args.batches[1:]:
+                r = next((r for r in results if r["batch"] == b and r["chunk"] == chunk
+                          and r["linearization"] == lin), None)
+                if r is None:
+                    cells.append("not run")
+                elif "error" in r or (chunk, lin) not in base:
+                    cells.append("failed")
+                else:
+                    cells.append(f"{r['growth_mb'] / base[(chunk, lin)]:.2f}x")
+            lines.append(f"| {lin} | {chunk or 'None'} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -195,27 +203,32 @@ def main():
     parser.add_argument("--no-jit", dest="jit", action="store_false")
     parser.add_argument("--mem-cap-gb", type=float, default=None,
                         help="RLIMIT_DATA per worker (default: 80%% of MemAvailable)")
+    parser.add_argument("--linearizations", default="auto,autodiff",
+                        help="comma-separated LevenbergMarquardt(linearization=...)")
+    parser.add_argument("--linearization", default="auto", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=1000, help=argparse.SUPPRESS)
     parser.add_argument("--chunk", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.batch, args.chunk or None, args.width, args.steps, args.jit)
+        worker(args.batch, args.chunk or None, args.width, args.steps, args.jit,
+               args.linearization)
         return
 
     args.batches = [1000, 10_000] + ([100_000] if args.big else [])
     args.chunks = [1000, None]
+    args.linearizations = args.linearizations.split(",")
     load_start = os.getloadavg()
     start = time.perf_counter()
     results = []
-    for batch in args.batches:
-        for chunk in args.chunks:
-            print(f"batch {batch}, chunk_size={chunk} ...", flush=True)
-            res = run_config(batch, chunk, args)
-            results.append(res)
-            print("  " + (res["error"] if "error" in res else
-                          f"growth {res['growth_mb']:.0f} MB, {res['step_s']} s/step, "
-                          f"{res['wall_s']:.0f} s in all"), flush=True)
+    for batch, chunk, lin in [(b, c, lin) for lin in args.linearizations
+                              for b in args.batches for c in args.chunks]:
+        print(f"batch {batch}, chunk_size={chunk}, {lin} ...", flush=True)
+        res = run_config(batch, chunk, args, lin)
+        results.append(res)
+        print("  " + (res["error"] if "error" in res else
+                      f"growth {res['growth_mb']:.0f} MB, {res['step_s']} s/step, "
+                      f"{res['wall_s']:.0f} s in all"), flush=True)
     text = report(results, args, load_start, time.perf_counter() - start)
     print("\n" + text)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)

@@ -6,7 +6,10 @@ uniform in [-1, 1]^4; variance 0.14), MSE, full batch, Keras 3 ``fit``
 with ``jit_compile=True``, one seed.
 
 Part 1, a 4-64-64-1 tanh MLP (4,545 parameters; J^T J has 20.7M entries):
-  - ``lm-full``: ``LevenbergMarquardt(model)`` (Cholesky, 4,545^2 system);
+  - ``lm-full``: ``LevenbergMarquardt(model)`` (Cholesky, 4,545^2 system;
+    the Jacobian from layer taps, the default for this model);
+  - ``lm-full-autodiff``: the same with ``linearization="autodiff"`` (the
+    Jacobian by forward mode, one product per parameter);
   - ``lm-subset-0.1``: ``subset=0.1`` (455 random parameters per step);
   - ``lm-layers``: ``subset="layers"`` (one layer per step; the system is
     padded to the largest layer's 4,160, so it saves little here);
@@ -14,7 +17,10 @@ Part 1, a 4-64-64-1 tanh MLP (4,545 parameters; J^T J has 20.7M entries):
 Part 2, a 4-400-250-1 tanh MLP (102,651 parameters; J^T J would take 42 GB
 in float32):
   - ``lm-cg``: ``LevenbergMarquardt(model, solver="cg", scaling="levenberg")``
-    (conjugate gradients on Jacobian-vector products, memory O(N + P));
+    (conjugate gradients; ``J^T (J v)`` from layer taps: contractions of the
+    stored layer inputs and output gradients, memory O(N * width + P));
+  - ``lm-cg-autodiff``: the same with ``linearization="autodiff"`` (one
+    forward-mode and one reverse-mode pass through the model per product);
   - ``lm-subset-0.01``: ``subset=0.01`` (1,027 parameters per step);
   - ``adam``.
 
@@ -22,7 +28,11 @@ Each contender trains for the same wall-clock budget (``--seconds``, after
 a first epoch that includes compilation) and reports ms per step (median)
 and the final training MSE. Ratios are to Adam in the same run.
 
-Run: ``.venv/bin/python benchmarks/lm_scale.py`` (about 4 minutes).
+``--steps N`` trains each for N steps instead (the same steps: a tapped and
+an autodiff contender then end at the same result, up to round-off);
+``--only a,b`` runs those contenders alone.
+
+Run: ``.venv/bin/python benchmarks/lm_scale.py`` (about 6 minutes).
 """
 
 import argparse
@@ -53,24 +63,27 @@ def network(widths):
     return K.Sequential(layers + [K.layers.Dense(1)])
 
 
-def run(name, widths, seconds, x, y):
+def run(name, widths, seconds, x, y, steps=None):
     model = network(widths)
     if name == "adam":
         optimizer = K.optimizers.Adam(0.01)
-    elif name == "lm-cg":
+    elif name.startswith("lm-cg"):
         optimizer = tf_gradkit.optimizers.LevenbergMarquardt(
-            model, solver="cg", scaling="levenberg")
+            model, solver="cg", scaling="levenberg",
+            linearization="autodiff" if name.endswith("autodiff") else "auto")
     elif name.startswith("lm-subset-"):
         optimizer = tf_gradkit.optimizers.LevenbergMarquardt(
             model, subset=float(name.rsplit("-", 1)[1]))
     elif name == "lm-layers":
         optimizer = tf_gradkit.optimizers.LevenbergMarquardt(model, subset="layers")
     else:
-        optimizer = tf_gradkit.optimizers.LevenbergMarquardt(model)
+        optimizer = tf_gradkit.optimizers.LevenbergMarquardt(
+            model, linearization="autodiff" if name.endswith("autodiff") else "auto")
     model.compile(optimizer=optimizer, loss="mse", jit_compile=True)
     model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)  # compile
     times, start = [], time.perf_counter()
-    while time.perf_counter() - start < seconds:
+    while (len(times) < steps if steps else
+           time.perf_counter() - start < seconds):
         t0 = time.perf_counter()
         model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)
         times.append(time.perf_counter() - t0)
@@ -82,20 +95,28 @@ def run(name, widths, seconds, x, y):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--only", default=None)
     args = parser.parse_args()
     x, y = data()
-    parts = [((64, 64), ("lm-full", "lm-subset-0.1", "lm-layers", "adam")),
-             ((400, 250), ("lm-cg", "lm-subset-0.01", "adam"))]
+    parts = [((64, 64), ("lm-full", "lm-full-autodiff", "lm-subset-0.1", "lm-layers",
+                         "adam")),
+             ((400, 250), ("lm-cg", "lm-cg-autodiff", "lm-subset-0.01", "adam"))]
+    if args.only:
+        keep = args.only.split(",")
+        parts = [(w, tuple(n for n in names if n in keep)) for w, names in parts]
     print(f"sin(3 x1) cos(2 x2) + x3 x4 / 2, 2000 points, full batch, "
           f"{args.seconds:.0f} s each")
     print("| model | contender | parameters | ms/step | steps | final MSE | ms/step vs adam |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for widths, names in parts:
-        rows = {n: run(n, widths, args.seconds, x, y) for n in names}
+        rows = {n: run(n, widths, args.seconds, x, y, args.steps) for n in names}
         for n in names:
             params, ms, steps, mse = rows[n]
             print(f"| 4-{'-'.join(map(str, widths))}-1 | {n} | {params} | {ms:.1f} | "
-                  f"{steps} | {mse:.2e} | {ms / rows['adam'][1]:.1f}x |", flush=True)
+                  f"{steps} | {mse:.2e} | "
+                  f"{ms / rows['adam'][1] if 'adam' in rows else float('nan'):.1f}x |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -748,12 +748,15 @@ def _small_net(K):
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_own_residuals_equal_the_compiled_mse(K, gk, mode):
     """residuals = y_pred - y is what LM forms for a one-output MSE: the same
-    steps, exactly; the compiled loss is only reported."""
+    steps, exactly; the compiled loss is only reported. (Both linearised by
+    automatic differentiation: a residual function of one's own never uses
+    the layer taps, whose Jacobian equals it to round-off, test_lm_taps.py.)"""
     x, y = _sine()
     weights = []
     for residuals in (None, lambda model, x, y, w: model(x, training=True) - y):
         model = _small_net(K)
-        model.compile(optimizer=gk.LevenbergMarquardt(model, residuals=residuals),
+        model.compile(optimizer=gk.LevenbergMarquardt(model, residuals=residuals,
+                                                      linearization="autodiff"),
                       loss="mse", run_eagerly=mode == "eager",
                       jit_compile=mode == "jit")
         model.fit(x, y, batch_size=200, epochs=5, verbose=0)

@@ -23,6 +23,7 @@ from tf_gradkit.core.lm import linearize as lin_lib
 from tf_gradkit.core.lm import parts as parts_lib
 from tf_gradkit.core.lm import linear_solvers as solvers_lib
 from tf_gradkit.core.lm import step as step_lib
+from tf_gradkit.gradients import tapped_jacobian
 
 USAGE = (
     "LevenbergMarquardt needs residuals and their Jacobian, not gradients. "
@@ -63,6 +64,19 @@ def _check_subset(subset):
             "LevenbergMarquardt: `subset` must be None (every parameter), a "
             "fraction in (0, 1] (drawn at random each step) or 'layers' (one "
             f"layer per step, in turn). Received: subset={subset!r}")
+
+
+LINEARIZATIONS = ("auto", "taps", "autodiff")
+
+
+def _check_linearization(linearization):
+    if linearization not in LINEARIZATIONS:
+        raise ValueError(
+            "LevenbergMarquardt: `linearization` must be one of "
+            f"{LINEARIZATIONS}: 'auto' forms the Jacobian from layer taps where "
+            "the model's layers allow it (else by automatic differentiation), "
+            "'taps' requires the taps, 'autodiff' never uses them. Received: "
+            f"linearization={linearization!r}")
 
 
 def _check_residuals(residuals, chunk_size):
@@ -216,6 +230,16 @@ class LevenbergMarquardt:
         the layers in order (a layer: the variables sharing a path up to
         their last "/"). The others keep their values for that step. Not
         with pruning masks (those already choose the columns).
+      linearization: how ``fit`` forms the Jacobian. "auto" (default): from
+        layer taps (one forward pass and one backward pass per residual of
+        an example, `tf_gradkit.gradients.tapped_jacobian`) when every layer
+        of the model can say what its examples' rows are (a Sequential or
+        functional model of Dense, Conv1D/2D, Embedding, LayerNormalization,
+        BatchNormalization at inference and layers that keep examples apart,
+        under the compiled loss, a solver that forms J^T J or J), else by
+        automatic differentiation (one forward-mode product per parameter);
+        "taps": the taps or an error saying why not; "autodiff": never the
+        taps. What the last traced step used is ``linearization_used``.
       initial_damping: the first lambda (default: the controller's, 1e-3),
         for a controller that has one ("nielsen", "multiply_divide"); the
         trust region sets lambda from its radius and refuses it. Saved as
@@ -236,14 +260,15 @@ class LevenbergMarquardt:
     def __init__(self, model=None, controller="nielsen", scaling="marquardt",
                  solver="cholesky", max_attempts=10, chunk_size=None, name=None,
                  initial_damping=None, minibatch_guard=True, residuals=None,
-                 subset=None, **kwargs):
+                 subset=None, linearization="auto", **kwargs):
         self._check_backend()
         if kwargs:
             raise unexpected_arguments(
                 "LevenbergMarquardt", kwargs, "model, controller, scaling, solver, "
                 "max_attempts, chunk_size, name, initial_damping, minibatch_guard, "
-                "residuals, subset", advice="")
+                "residuals, subset, linearization", advice="")
         _check_residuals(residuals, chunk_size)
+        _check_linearization(linearization)
         _check_subset(subset)
         if not isinstance(minibatch_guard, bool):
             raise ValueError("LevenbergMarquardt: `minibatch_guard` must be True or "
@@ -269,6 +294,10 @@ class LevenbergMarquardt:
         self.minibatch_guard = minibatch_guard
         self.residuals = residuals
         self.subset = subset
+        self.linearization = linearization
+        # What the last traced fit step linearised with: "taps" or
+        # "autodiff: <why not taps>" (None before the first step).
+        object.__setattr__(self, "linearization_used", None)
         self._residuals_unsaved = None  # the name of one lost in saving
         self._lm_vars = None
         self.masks = None
@@ -585,7 +614,9 @@ class LevenbergMarquardt:
         def residuals(xb, yb, wb):
             if custom is not None:
                 return tf.cast(tf.reshape(custom(model, xb, yb, wb), [-1]), dtype)
-            y_pred = model(xb, training=True)
+            return residuals_of(model(xb, training=True), yb, wb)
+
+        def residuals_of(y_pred, yb, wb):
             if robust is None:
                 return lm_losses.mse_residuals(y_pred, yb, wb, dtype, loss_weights)
             # Huber, MAE: the robust loss's step residuals (core/lm/robust.py).
@@ -598,15 +629,45 @@ class LevenbergMarquardt:
                 model(xb, training=True), yb, wb, dtype, loss_weights))
 
         batch = tf.shape(tf.nest.flatten(x)[0])[0]
+        steps = self._tap_plan(model, variables, custom)
+
+        def tapped(rows_fn):
+            """``(r, J)`` over the support from ``rows_fn() -> [B, m]``."""
+            r, jac = tapped_jacobian.residuals_and_jacobian(steps, variables,
+                                                            rows_fn, dtype)
+            return r, lin_lib.on_support(jac, support)
+
         if loss_name in lm_losses.CROSS_ENTROPY:
+            outputs = None if steps is None else lambda: tapped(
+                lambda: tf.reshape(model(x, training=True), [batch, -1]))
             return self._fit_step_cross_entropy(
                 model, x, y, sample_weight, y_pred, batch, tf_vars, dtype,
-                lm_losses.CROSS_ENTROPY[loss_name], lm_losses.from_logits(loss))
-        if self.chunk_size is None:
+                lm_losses.CROSS_ENTROPY[loss_name], lm_losses.from_logits(loss),
+                outputs)
+
+        def residual_rows(xb, yb, wb):
+            def rows():
+                y_pred = model(xb, training=True)
+                return lm_losses.per_example(residuals_of(y_pred, yb, wb), y_pred)
+            return rows
+
+        if (self.chunk_size is None and steps is not None
+                and self.solver.consumes == solvers_lib.MATRIX_FREE):
+            r, jtr, matvec = tapped_jacobian.matrix_free(
+                steps, variables, residual_rows(x, y, sample_weight), dtype)
+            lin = solvers_lib.Linearization(cost=0.5 * tf.reduce_sum(tf.square(r)),
+                                            jtj=None, jtr=jtr, matvec=matvec)
+        elif self.chunk_size is None and steps is not None:
+            lin = lin_lib.from_rows(
+                *tapped(residual_rows(x, y, sample_weight)),
+                self.solver.consumes == solvers_lib.JACOBIAN)
+        elif self.chunk_size is None:
             lin = linearize_for(self.solver, lambda: residuals(x, y, sample_weight),
                                 tf_vars, dtype, support)
         else:
-            lin = self._chunked(residuals, x, y, sample_weight, batch, tf_vars, dtype)
+            lin = self._chunked(residuals, x, y, sample_weight, batch, tf_vars, dtype,
+                                None if steps is None else
+                                lambda xb, yb, wb: tapped(residual_rows(xb, yb, wb)))
         if robust is not None:
             return self._step_and_report(
                 model, x, y, sample_weight, y_pred,
@@ -617,7 +678,8 @@ class LevenbergMarquardt:
             lambda xb, yb, wb: lm_losses.half_sum_sq(residuals(xb, yb, wb), dtype), tf_vars)
 
     def _fit_step_cross_entropy(self, model, x, y, sample_weight, y_pred, batch,
-                                tf_vars, dtype, kind, from_logits):
+                                tf_vars, dtype, kind, from_logits,
+                                outputs_and_jacobian=None):
         if (self.solver.consumes != solvers_lib.NORMAL_EQUATIONS
                 or self.chunk_size is not None):
             raise ValueError(
@@ -635,7 +697,8 @@ class LevenbergMarquardt:
 
         lin = ggn_lib.linearize_cross_entropy(
             lambda: model(x, training=True), y, example_weights(x, sample_weight),
-            tf_vars, kind, from_logits, dtype, support=self._step_support)
+            tf_vars, kind, from_logits, dtype, support=self._step_support,
+            outputs_and_jacobian=outputs_and_jacobian)
         return self._step_and_report(
             model, x, y, sample_weight, y_pred, lin,
             lambda xb, yb, wb: ggn_lib.cross_entropy_cost(
@@ -706,14 +769,15 @@ class LevenbergMarquardt:
         return ctx.merge_call(cross_replica,
                               args=(jtj, jtr, cost, size, per_example) + tuple(args))
 
-    def _chunked(self, residuals, x, y, sample_weight, batch, tf_vars, dtype):
+    def _chunked(self, residuals, x, y, sample_weight, batch, tf_vars, dtype,
+                 tapped=None):
         require_normal_equations(
             self.solver, "`chunk_size` bounds memory by never holding the whole "
             "Jacobian, only the sum of the chunks' J^T J")
         size = self.chunk_size
         num_chunks = (batch + size - 1) // size
 
-        def chunk(i):
+        def rows(i):
             idx = i * size + tf.range(size)
             valid = tf.cast(idx < batch, dtype)
             idx = tf.minimum(idx, batch - 1)
@@ -722,10 +786,39 @@ class LevenbergMarquardt:
             yb = tf.nest.map_structure(take, y)
             wb = valid if sample_weight is None else valid * tf.cast(
                 take(sample_weight), dtype)
-            return residuals(xb, yb, wb)
+            return xb, yb, wb
 
-        return lin_lib.linearize_chunked(chunk, num_chunks, tf_vars, dtype,
-                                         support=self._step_support)
+        return lin_lib.linearize_chunked(
+            lambda i: residuals(*rows(i)), num_chunks, tf_vars, dtype,
+            support=self._step_support,
+            chunk_rows_fn=None if tapped is None else lambda i: tapped(*rows(i)))
+
+    def _tap_plan(self, model, variables, custom):
+        """The tapped Jacobian's plan for this fit step, or None (autodiff);
+        records the choice in ``linearization_used`` (and logs a change)."""
+        steps, why = None, None
+        if self.linearization == "autodiff":
+            why = "linearization='autodiff'"
+        elif custom is not None:
+            why = ("a residual function of your own (`residuals=`) may mix the "
+                   "examples")
+        elif self.solver.consumes == solvers_lib.MATRIX_FREE and (
+                self.chunk_size is not None or self.subset is not None
+                or self.masks is not None):
+            why = (f"solver={parts_lib.part_name(self.solver)!r} is matrix-free, "
+                   "which neither chunks nor supports (subset=, masks) combine with")
+        else:
+            steps, why = tapped_jacobian.plan(model, variables, training=True)
+        if why and self.linearization == "taps":
+            raise ValueError(
+                "LevenbergMarquardt: linearization='taps', but the Jacobian cannot "
+                f"be formed from layer taps: {why}. Use linearization='auto' (it "
+                "falls back to automatic differentiation) or 'autodiff'.")
+        used = "taps" if steps is not None else f"autodiff: {why}"
+        if used != self.linearization_used:
+            tf.get_logger().info("LevenbergMarquardt linearises with %s", used)
+            object.__setattr__(self, "linearization_used", used)
+        return steps
 
     def apply_gradients(self, *args, **kwargs):
         del args, kwargs
@@ -746,6 +839,7 @@ class LevenbergMarquardt:
             "minibatch_guard": self.minibatch_guard,
             "residuals": self._saved_residuals(),
             "subset": self.subset,
+            "linearization": self.linearization,
             # Keras's loader binds it to the loaded model again (`attach`).
             "bound_to_model": getattr(self, "_bound", False),
         }

@@ -83,6 +83,17 @@ def mse_residuals(y_pred, y, sample_weight, dtype, loss_weights=None):
     return errors * tf.sqrt(weights)
 
 
+def per_example(flat, y_pred):
+    """Flat residuals over every output (each output's elements in turn, as
+    `weighted_errors` lays them out) as ``[B, m]``: example ``i``'s row."""
+    preds = tf.nest.flatten(y_pred)
+    if len(preds) == 1:
+        return tf.reshape(flat, [tf.shape(preds[0])[0], -1])
+    parts = tf.split(flat, [tf.size(p) for p in preds])
+    return tf.concat([tf.reshape(part, [tf.shape(p)[0], -1])
+                      for part, p in zip(parts, preds)], axis=1)
+
+
 def weighted_errors(y_pred, y, sample_weight, dtype, loss_weights=None):
     """Flat errors ``y_pred - y`` over every output and element, and each
     one's weight in Keras's summed loss, ``lw_k * w / d_k``: the compiled

@@ -389,7 +389,11 @@ def constraint_class(set_class):
 def layer_kinds():
     """This flavour's layer classes the gradient tools know
     (`protocol.layer_kinds`)."""
-    return protocol.layer_kinds(keras.layers)
+    kinds = protocol.layer_kinds(keras.layers)
+    # Models whose call is their graph of layers (no call of their own).
+    from keras.src.models.functional import Functional  # pylint: disable=import-outside-toplevel
+    kinds["graph_models"] = (keras.Sequential, Functional)
+    return kinds
 
 
 def watch_applied_gradients(optimizer, record):

@@ -626,6 +626,10 @@ def layer_kinds(layers):
         "embedding": (layers.Embedding,),
         "layer_norm": (layers.LayerNormalization,),
         "batch_norm": (layers.BatchNormalization,),
+        # Layers without weights whose output for an example depends on that
+        # example alone (LM's tapped Jacobian needs every layer so).
+        "per_example": tuple(getattr(layers, name) for name in PER_EXAMPLE_LAYERS
+                             if hasattr(layers, name)),
     }
 
 
@@ -699,3 +703,13 @@ def is_variable(obj):
 def dataset_graph(dataset):
     """See `HOST_FUNCTIONS` (tf.data keeps the serialised graph privately)."""
     return dataset._as_serialized_graph()  # pylint: disable=protected-access
+
+PER_EXAMPLE_LAYERS = (
+    "InputLayer", "Activation", "Dropout", "AlphaDropout", "GaussianDropout",
+    "GaussianNoise", "SpatialDropout1D", "SpatialDropout2D", "Flatten", "Reshape",
+    "Permute", "RepeatVector", "Identity", "ReLU", "LeakyReLU", "ELU", "Softmax",
+    "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum", "Concatenate",
+    "ZeroPadding1D", "ZeroPadding2D", "Cropping1D", "Cropping2D", "UpSampling1D",
+    "UpSampling2D", "MaxPooling1D", "MaxPooling2D", "AveragePooling1D",
+    "AveragePooling2D", "GlobalAveragePooling1D", "GlobalAveragePooling2D",
+    "GlobalMaxPooling1D", "GlobalMaxPooling2D", "Rescaling")

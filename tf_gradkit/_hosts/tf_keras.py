@@ -382,7 +382,11 @@ def constraint_class(set_class):
 def layer_kinds():
     """This flavour's layer classes the gradient tools know
     (`protocol.layer_kinds`)."""
-    return protocol.layer_kinds(tf_keras.layers)
+    kinds = protocol.layer_kinds(tf_keras.layers)
+    # Models whose call is their graph of layers (no call of their own).
+    from tf_keras.src.engine.functional import Functional  # pylint: disable=import-outside-toplevel
+    kinds["graph_models"] = (tf_keras.Sequential, Functional)
+    return kinds
 
 
 def watch_applied_gradients(optimizer, record):

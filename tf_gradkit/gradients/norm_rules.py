@@ -92,22 +92,25 @@ def _dense_sq_norms(layer, calls):
     return _matmul_layer(layer, a, g)
 
 
+def conv_patches_of(layer, inputs):
+    """``[B, positions, prod(kernel_size) * c_in]``: the patches a Conv1D or
+    Conv2D (channels last) multiplies by its kernel, in the kernel's order."""
+    inputs = tf.convert_to_tensor(inputs)
+    kernel, strides = tuple(layer.kernel_size), tuple(layer.strides)
+    dilation, padding = tuple(layer.dilation_rate), layer.padding
+    if len(kernel) == 1:  # Conv1D as a 1 x k Conv2D
+        if padding == "causal":
+            inputs = tf.pad(inputs, [[0, 0], [dilation[0] * (kernel[0] - 1), 0],
+                                     [0, 0]])
+            padding = "valid"
+        inputs = inputs[:, None]
+        kernel, strides, dilation = (1,) + kernel, (1,) + strides, (1,) + dilation
+    return ghost_norms.conv_patches(inputs, kernel, strides, padding, dilation)
+
+
 def _conv_sq_norms(layer, calls):
-    patches, outs = [], []
-    for record, gz in calls:
-        inputs = tf.convert_to_tensor(record["input"])
-        kernel, strides = tuple(layer.kernel_size), tuple(layer.strides)
-        dilation, padding = tuple(layer.dilation_rate), layer.padding
-        if len(kernel) == 1:  # Conv1D as a 1 x k Conv2D
-            if padding == "causal":
-                inputs = tf.pad(inputs, [[0, 0], [dilation[0] * (kernel[0] - 1), 0],
-                                         [0, 0]])
-                padding = "valid"
-            inputs = inputs[:, None]
-            kernel, strides, dilation = (1,) + kernel, (1,) + strides, (1,) + dilation
-        patches.append(ghost_norms.conv_patches(inputs, kernel, strides, padding,
-                                                dilation))
-        outs.append(_rows(gz))
+    patches = [conv_patches_of(layer, record["input"]) for record, _ in calls]
+    outs = [_rows(gz) for _, gz in calls]
     return _matmul_layer(layer, tf.concat(patches, 1), tf.concat(outs, 1))
 
 

@@ -62,7 +62,8 @@ def _per_example_terms(kind, from_logits, outputs, targets, weights, eps):
 
 
 def linearize_cross_entropy(output_fn, targets, weights, variables, kind,
-                            from_logits, dtype, support=None):
+                            from_logits, dtype, support=None,
+                            outputs_and_jacobian=None):
     """GGN linearisation of a (weighted, summed) cross-entropy.
 
     Args:
@@ -74,6 +75,9 @@ def linearize_cross_entropy(output_fn, targets, weights, variables, kind,
       from_logits: whether the output is logits.
       dtype: the solve's dtype.
       support: optional `linearize.Support` (only those parameters).
+      outputs_and_jacobian: optional zero-argument callable returning the
+        flat outputs [B*C] and their Jacobian [B*C, k] (over ``support``),
+        formed another way (layer taps); ``output_fn`` is then not called.
 
     Returns:
       A `Linearization` with ``cost`` = the weighted loss sum, ``jtj`` = G and
@@ -81,8 +85,11 @@ def linearize_cross_entropy(output_fn, targets, weights, variables, kind,
     """
     if kind not in LOSSES:
         raise ValueError(f"`kind` must be one of {LOSSES}. Received: {kind!r}")
-    outputs, jac = lin_lib.residuals_and_jacobian(output_fn, variables, dtype,
-                                                  support=support)
+    if outputs_and_jacobian is not None:
+        outputs, jac = outputs_and_jacobian()
+    else:
+        outputs, jac = lin_lib.residuals_and_jacobian(output_fn, variables, dtype,
+                                                      support=support)
     b = tf.shape(weights)[0]
     outputs = tf.reshape(outputs, [b, -1])                      # [B, C]
     jac = tf.reshape(jac, [b, tf.shape(outputs)[1], -1])        # [B, C, P]

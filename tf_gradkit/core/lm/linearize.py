@@ -112,10 +112,7 @@ def residuals_and_jacobian(residual_fn, variables, dtype, mode="auto",
     n = tf.shape(residuals)[0]
     jacobian = tf.concat([tf.cast(tf.reshape(j, [n, -1]), dtype) for j in jac],
                          axis=1)
-    if support is not None:
-        jacobian = tf.gather(jacobian, support.indices, axis=1) * tf.cast(
-            support.valid, dtype)
-    return tf.cast(residuals, dtype), jacobian
+    return tf.cast(residuals, dtype), on_support(jacobian, support)
 
 
 def _forward_jacobian(residual_fn, variables, num_params, dtype, support=None):
@@ -135,12 +132,26 @@ def _forward_jacobian(residual_fn, variables, num_params, dtype, support=None):
     return tf.transpose(tf.vectorized_map(jvp, basis))
 
 
+def on_support(jacobian, support):
+    """The columns of ``jacobian`` on ``support`` (padding columns zero)."""
+    if support is None:
+        return jacobian
+    return tf.gather(jacobian, support.indices, axis=1) * tf.cast(
+        support.valid, jacobian.dtype)
+
+
 def linearize(residual_fn, variables, needs_jacobian, dtype, mode="auto",
               support=None):
     """Linearises ``residual_fn`` (zero arguments) at the current variables
     (over ``support`` only, when given)."""
     residuals, jacobian = residuals_and_jacobian(residual_fn, variables, dtype,
                                                  mode, support)
+    return from_rows(residuals, jacobian, needs_jacobian)
+
+
+def from_rows(residuals, jacobian, needs_jacobian):
+    """The `Linearization` of residuals [N] and their Jacobian [N, P] however
+    formed (automatic differentiation, or layer taps)."""
     jtj, jtr = normal_equations(jacobian, residuals)
     return Linearization(
         cost=0.5 * tf.reduce_sum(tf.square(residuals)),
@@ -200,7 +211,7 @@ def linearize_matrix_free(residual_fn, variables, dtype):
 
 
 def linearize_chunked(chunk_residual_fn, num_chunks, variables, dtype,
-                      mode="auto", support=None):
+                      mode="auto", support=None, chunk_rows_fn=None):
     """Accumulates J^T J, J^T r and the cost over ``num_chunks`` row chunks.
 
     Args:
@@ -209,13 +220,19 @@ def linearize_chunked(chunk_residual_fn, num_chunks, variables, dtype,
       num_chunks: int or int32 scalar tensor (a batch's size may be dynamic).
       variables: the parameters.
       dtype: the solve's dtype.
+      chunk_rows_fn: optional ``fn(i) -> (residuals, Jacobian)`` of chunk i
+        (over ``support``), formed another way (layer taps); then
+        ``chunk_residual_fn`` is not called.
     """
     p = (sum(v.shape.num_elements() for v in variables) if support is None
          else support.size)
 
     def body(i, jtj, jtr, cost):
-        r, jac = residuals_and_jacobian(lambda: chunk_residual_fn(i), variables,
-                                        dtype, mode, support)
+        if chunk_rows_fn is not None:
+            r, jac = chunk_rows_fn(i)
+        else:
+            r, jac = residuals_and_jacobian(lambda: chunk_residual_fn(i), variables,
+                                            dtype, mode, support)
         chunk_jtj, chunk_jtr = normal_equations(jac, r)
         return (i + 1, jtj + chunk_jtj, jtr + chunk_jtr,
                 cost + 0.5 * tf.reduce_sum(tf.square(r)))

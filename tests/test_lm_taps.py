@@ -1,0 +1,301 @@
+"""LevenbergMarquardt's tapped linearisation: the Jacobian from layer taps
+(`tf_gradkit.gradients.tapped_jacobian`) equals the forward-mode Jacobian for
+every covered layer kind, one fit step through it equals one through
+automatic differentiation (supports, chunks, sample weights, solvers, the
+GGN, MirroredStrategy), and models it cannot cover fall back visibly."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_gradkit.core.lm import linearize as lin_lib
+from tf_gradkit.gradients import tapped_jacobian
+
+from helpers import weights_of
+
+
+def _tf_vars(variables):
+    """The tf.Variables behind a model's variables (Keras 3 wraps them)."""
+    return [v if isinstance(v, tf.Variable) else v.value for v in variables]
+
+
+def _randomise(model, seed=3, scale=0.5):
+    rng = np.random.RandomState(seed)
+    model.set_weights([(rng.randn(*w.shape) * scale).astype(w.dtype)
+                       for w in model.get_weights()])
+
+
+def _kind_model(K, kind):
+    """(model, x, training) of one covered layer kind (residuals: outputs - 0.3)."""
+    rng = np.random.RandomState(0)
+    L = K.layers
+    if kind == "dense":
+        model = K.Sequential([K.Input((3,)), L.Dense(4, activation="tanh"), L.Dense(2)])
+        x = rng.randn(6, 3)
+    elif kind == "dense_rank3":
+        model = K.Sequential([K.Input((3, 2)), L.Dense(4, activation="tanh"),
+                              L.Flatten(), L.Dense(1)])
+        x = rng.randn(5, 3, 2)
+    elif kind == "conv1d":
+        model = K.Sequential([K.Input((6, 2)), L.Conv1D(3, 3, padding="causal",
+                                                        activation="tanh"),
+                              L.Flatten(), L.Dense(1)])
+        x = rng.randn(5, 6, 2)
+    elif kind == "conv2d":
+        model = K.Sequential([K.Input((5, 5, 2)), L.Conv2D(3, 3, strides=2, padding="same",
+                                                           activation="tanh"),
+                              L.GlobalAveragePooling2D(), L.Dense(2)])
+        x = rng.randn(4, 5, 5, 2)
+    elif kind == "embedding":
+        model = K.Sequential([K.Input((4,), dtype="int32"), L.Embedding(7, 3),
+                              L.Flatten(), L.Dense(1)])
+        x = rng.randint(0, 7, (5, 4)).astype("int32")
+    elif kind == "layer_norm":
+        model = K.Sequential([K.Input((3, 4)), L.Dense(5), L.LayerNormalization(),
+                              L.Flatten(), L.Dense(1)])
+        x = rng.randn(5, 3, 4)
+    elif kind == "shared":  # one Dense called twice: its rows add
+        inputs = K.Input((3,))
+        shared = L.Dense(3, activation="tanh")
+        model = K.Model(inputs, L.Dense(1)(shared(shared(inputs))))
+        x = rng.randn(6, 3)
+    elif kind == "frozen_batch_norm":  # not trainable: inference, per example
+        model = K.Sequential([K.Input((3,)), L.Dense(4), L.BatchNormalization(),
+                              L.Dense(1)])
+        model.layers[1].trainable = False
+        x = rng.randn(6, 3)
+    else:  # "batch_norm_inference": trainable, called with training=False
+        model = K.Sequential([K.Input((3,)), L.Dense(4), L.BatchNormalization(),
+                              L.Dense(1)])
+        x = rng.randn(6, 3)
+    _randomise(model)
+    if kind.endswith("batch_norm") or kind == "batch_norm_inference":
+        bn = model.layers[1]
+        bn.moving_variance.assign(np.linspace(0.5, 2.0, 4))
+    x = x.astype("int32" if kind == "embedding" else "float32")
+    return model, tf.constant(x), kind != "batch_norm_inference"
+
+
+KINDS = ["dense", "dense_rank3", "conv1d", "conv2d", "embedding", "layer_norm",
+         "shared", "frozen_batch_norm", "batch_norm_inference"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tapped_jacobian_equals_forward_mode(K, kind):
+    model, x, training = _kind_model(K, kind)
+    variables = model.trainable_variables
+    steps, why = tapped_jacobian.plan(model, variables, training=training)
+    assert why is None, why
+
+    def rows():
+        out = model(x, training=training)
+        return tf.reshape(out, [tf.shape(out)[0], -1]) - 0.3
+
+    r, jac = tapped_jacobian.residuals_and_jacobian(steps, variables, rows, tf.float32)
+    # (tf_keras's Embedding cannot be traced by an eager vectorised JVP
+    # twice, "Duplicate node name": reverse mode is the reference there.)
+    r_ref, jac_ref = lin_lib.residuals_and_jacobian(
+        lambda: tf.reshape(rows(), [-1]), _tf_vars(variables), tf.float32,
+        mode="reverse" if kind == "embedding" else "forward")
+    # Each entry is a sum of at most ~25 float32 products either way.
+    scale = float(np.max(np.abs(jac_ref)))
+    assert scale > 0
+    np.testing.assert_allclose(r, r_ref, atol=1e-6)
+    np.testing.assert_allclose(jac, jac_ref, atol=3e-6 * scale)
+    jtj, jtr = lin_lib.normal_equations(jac, r)
+    jtj_ref, jtr_ref = lin_lib.normal_equations(jac_ref, r_ref)
+    np.testing.assert_allclose(jtj, jtj_ref, atol=1e-5 * float(np.max(np.abs(jtj_ref))))
+    np.testing.assert_allclose(jtr, jtr_ref, atol=1e-5 * float(np.max(np.abs(jtr_ref))))
+
+
+def test_tapped_jacobian_compiled(K):
+    model, x, _ = _kind_model(K, "dense")
+    variables = model.trainable_variables
+    steps, _ = tapped_jacobian.plan(model, variables)
+    rows = lambda: model(x, training=True) - 0.3  # noqa: E731
+    eager = tapped_jacobian.residuals_and_jacobian(steps, variables, rows, tf.float32)
+    jit = tf.function(lambda: tapped_jacobian.residuals_and_jacobian(
+        steps, variables, rows, tf.float32), jit_compile=True)()
+    np.testing.assert_allclose(jit[1], eager[1], atol=1e-6)
+
+
+def _problem(K, loss="mse", outputs=1, seed=0):
+    """A float64 MLP and its batch: one LM step's round-off stays ~1e-13."""
+    rng = np.random.RandomState(seed)
+    x = rng.randn(24, 3)
+    if "crossentropy" not in loss:
+        y = np.concatenate([np.sin(x @ rng.randn(3, 1)) for _ in range(outputs)], 1)
+    elif loss == "binary_crossentropy":
+        y = (x[:, :1] > 0).astype("float64")
+    else:
+        y = ((x[:, :1] > 0).astype("int64") + (x[:, 1:2] > 0)).astype("int64")
+    width = 3 if loss == "sparse_categorical_crossentropy" else outputs
+    last = "sigmoid" if loss == "binary_crossentropy" else None
+
+    def build(**kwargs):
+        model = K.Sequential([K.Input((3,), dtype="float64"),
+                              K.layers.Dense(5, activation="tanh", dtype="float64"),
+                              K.layers.Dense(width, activation=last, dtype="float64")])
+        _randomise(model, seed=1)
+        from tf_gradkit import optimizers  # noqa: PLC0415
+        opt = optimizers.LevenbergMarquardt(model, **kwargs)
+        model.compile(optimizer=opt, loss=loss, run_eagerly=kwargs.pop("eager", False))
+        return model, opt
+
+    return x, y, build
+
+
+def _one_step(K, mode, loss="mse", outputs=1, sample_weight=None, masks=False,
+              **kwargs):
+    x, y, build = _problem(K, loss, outputs)
+    results = []
+    for linearization in ("auto", "autodiff"):
+        model, opt = build(linearization=linearization, **kwargs)
+        model.compile(optimizer=opt, loss=loss, run_eagerly=mode == "eager",
+                      jit_compile=mode == "jit")
+        if masks:
+            from test_lm_support import give_masks  # noqa: PLC0415
+            mask = (np.random.RandomState(2).rand(3, 5) < 0.5).astype("float64")
+            model.set_weights([model.get_weights()[0] * mask] + model.get_weights()[1:])
+            give_masks(opt, model, tf.Variable(mask))
+        before = weights_of(model)
+        model.fit(x, y, sample_weight=sample_weight, batch_size=len(x), epochs=1,
+                  shuffle=False, verbose=0)
+        step = [a - b for a, b in zip(weights_of(model), before)]
+        results.append((opt.linearization_used, step, int(opt.last_attempts.numpy())))
+    (used, step, attempts), (used_ref, step_ref, attempts_ref) = results
+    assert used == "taps", used
+    assert used_ref.startswith("autodiff")
+    assert attempts == attempts_ref
+    size = max(float(np.max(np.abs(s))) for s in step_ref)
+    assert size > 0
+    for s, s_ref in zip(step, step_ref):
+        np.testing.assert_allclose(s, s_ref, atol=1e-8 * size)
+
+
+def test_fit_step_equals_autodiff(K, mode):
+    _one_step(K, mode)
+
+
+@pytest.mark.parametrize("case", [
+    {"outputs": 2, "sample_weight": np.linspace(0.2, 2.0, 24), "chunk_size": 7,
+     "subset": 0.5},
+    {"loss": "sparse_categorical_crossentropy"},
+    {"masks": True, "solver": "qr"},
+], ids=["weights-2-outputs-chunks-subset", "ggn", "masks-qr"])
+def test_fit_step_options_equal_autodiff(K, case):
+    _one_step(K, "jit", **case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [
+    {"outputs": 2, "sample_weight": np.linspace(0.2, 2.0, 24)},
+    {"chunk_size": 5, "sample_weight": np.linspace(0.2, 2.0, 24)},
+    {"subset": 0.5},
+    {"subset": "layers"},
+    {"solver": "qr"},
+    {"solver": "dual"},
+    {"loss": "huber"},
+    {"loss": "mae"},
+    {"loss": "binary_crossentropy"},
+    {"masks": True},
+])
+def test_fit_step_more_options_equal_autodiff(K, mode, case):
+    _one_step(K, mode, **case)
+
+
+@pytest.mark.parametrize("kind", ["dense", "layer_norm"])
+def test_matrix_free_products_equal_the_jacobian(K, kind):
+    # J^T (J v) and J^T r from taps (Dense: factored, never the rows; other
+    # kinds: their rows) against the forward-mode Jacobian's.
+    model, x, training = _kind_model(K, kind)
+    variables = model.trainable_variables
+    steps, _ = tapped_jacobian.plan(model, variables, training=training)
+
+    def rows():
+        out = model(x, training=training)
+        return tf.reshape(out, [tf.shape(out)[0], -1]) - 0.3
+
+    r, jtr, matvec = tapped_jacobian.matrix_free(steps, variables, rows, tf.float32)
+    r_ref, jac = lin_lib.residuals_and_jacobian(
+        lambda: tf.reshape(rows(), [-1]), _tf_vars(variables), tf.float32,
+        mode="forward")
+    v = tf.constant(np.random.RandomState(5).randn(jac.shape[1]).astype("float32"))
+    want = tf.linalg.matvec(jac, tf.linalg.matvec(jac, v), transpose_a=True)
+    np.testing.assert_allclose(r, r_ref, atol=1e-6)
+    np.testing.assert_allclose(jtr, tf.linalg.matvec(jac, r_ref, transpose_a=True),
+                               atol=1e-5 * float(np.max(np.abs(jtr))))
+    np.testing.assert_allclose(matvec(v), want, atol=1e-5 * float(np.max(np.abs(want))))
+
+
+def test_fit_step_cg_equals_autodiff(K):
+    # One attempt: the autodiff matrix-free products are evaluated wherever
+    # the variables are, which after a rejected attempt is its trial point
+    # (the tapped ones stay at the linearisation point), so later attempts
+    # differ by design.
+    _one_step(K, "jit", solver="cg", scaling="levenberg", max_attempts=1,
+              initial_damping=1.0)
+
+
+@pytest.mark.distributed
+def test_mirrored_fit_uses_taps(K, gk, mirrored):
+    # test_levenberg_marquardt's mirrored test compares the (default, tapped)
+    # step with one device's; here: the taps were used on both replicas and
+    # the step equals the autodiff one under the same strategy.
+    x, y, build = _problem(K)
+    steps = []
+    for linearization in ("auto", "autodiff"):
+        with mirrored.scope():
+            model, opt = build(linearization=linearization)
+        before = weights_of(model)
+        model.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
+        steps.append((opt.linearization_used, [a - b for a, b in zip(weights_of(model),
+                                                                       before)]))
+    assert steps[0][0] == "taps" and steps[1][0].startswith("autodiff")
+    size = max(float(np.max(np.abs(s))) for s in steps[1][1])
+    for s, s_ref in zip(steps[0][1], steps[1][1]):
+        np.testing.assert_allclose(s, s_ref, atol=1e-8 * size)
+
+
+def _fit_once(K, model, linearization="auto", **kwargs):
+    from tf_gradkit import optimizers  # noqa: PLC0415
+    opt = optimizers.LevenbergMarquardt(model, linearization=linearization, **kwargs)
+    model.compile(optimizer=opt, loss="mse")
+    x = np.random.RandomState(0).randn(8, 3).astype("float32")
+    model.fit(x, np.zeros((8, 1), "float32"), batch_size=8, epochs=1, verbose=0)
+    return opt
+
+
+def test_uncovered_models_fall_back_visibly(K):
+    L = K.layers
+
+    class Subclassed(K.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = L.Dense(1)
+
+        def call(self, x):  # mixes the examples
+            h = self.dense(x)
+            return h - tf.reduce_mean(h, 0)
+
+    batch_norm = K.Sequential([K.Input((3,)), L.Dense(2), L.BatchNormalization(),
+                               L.Dense(1)])
+    gru = K.Sequential([K.Input((3,)), L.Reshape((3, 1)), L.SimpleRNN(2), L.Dense(1)])
+    for model, said in ((Subclassed(), "not a Sequential or functional"),
+                        (batch_norm, "training=True"), (gru, "no rule")):
+        opt = _fit_once(K, model)
+        assert opt.linearization_used.startswith("autodiff"), opt.linearization_used
+        assert said in opt.linearization_used
+        with pytest.raises(ValueError, match="linearization='taps'"):
+            _fit_once(K, model, linearization="taps")
+    custom = _fit_once(K, K.Sequential([K.Input((3,)), L.Dense(1)]),
+                       residuals=lambda m, x, y, w: m(x) - y)
+    assert "residuals=" in custom.linearization_used
+
+
+def test_linearization_argument(gk):
+    with pytest.raises(ValueError, match="linearization.*Received: linearization='x'"):
+        gk.LevenbergMarquardt(linearization="x")
+    opt = gk.LevenbergMarquardt(linearization="autodiff")
+    assert opt.get_config()["linearization"] == "autodiff"
+    assert gk.LevenbergMarquardt.from_config(opt.get_config()).linearization == "autodiff"
