@@ -170,7 +170,7 @@ def plan(model, variables, training=True):
     """``(plan, None)`` with ``plan = [(layer, rule)]`` when taps give the
     Jacobian of ``model``'s per-example residuals in ``variables``, else
     ``(None, why)``."""
-    kinds = _taps.layer_kinds()
+    kinds = _taps.layer_kinds(model, "LevenbergMarquardt")
     why = _graph_reason(model, kinds)
     if why:
         return None, why
