@@ -114,12 +114,20 @@ def _check_mixed(fit, t, y, sigma, p0, lengths, rtol, **options):
 def test_batch_matches_single_solves():
     """Default tolerances, the same graph code without XLA: every problem
     takes the single solve's steps (same stop reason and iteration count,
-    the solution to 1e-10); the bad problems change nobody else."""
+    the solution to 1e-10); the bad problems change nobody else. On a GPU
+    the batched and the single solve run other kernels (other reduction
+    orders), so there, as under XLA, the tolerances sit above round-off (at
+    the defaults an H200 stopped one problem for the cost tolerance where
+    its single solve stopped for the step tolerance)."""
     t, y, sigma, mask, p0, lengths = _mixed_batch()
+    on_gpu = bool(tf.config.list_physical_devices("GPU"))
+    tolerances = dict(ftol=1e-10, xtol=1e-10, gtol=1e-10) if on_gpu else {}
     fit = tf_gradkit.curve_fit(decay, t, y, p0, sigma=sigma, bounds=(LOWER, UPPER),
-                               mask=mask, jit_compile=False)
-    statuses = _check_mixed(fit, t, y, sigma, p0, lengths, rtol=1e-10)
-    assert 1 in statuses and 2 in statuses and 3 in statuses, statuses
+                               mask=mask, jit_compile=False, **tolerances)
+    statuses = _check_mixed(fit, t, y, sigma, p0, lengths,
+                            rtol=1e-8 if on_gpu else 1e-10, **tolerances)
+    if not on_gpu:
+        assert 1 in statuses and 2 in statuses and 3 in statuses, statuses
 
 
 @pytest.mark.slow
