@@ -141,13 +141,15 @@ def test_rejected_steps_restore_weights_exactly(mode):
     w = tf.Variable(0.7, dtype=F64)
     c = tf.Variable(-0.2, dtype=F64)
     x = tf.constant(np.linspace(0, 1, 6))
-    calls = tf.Variable(0)
+    # A float counter: TensorFlow keeps an int32 variable in host memory on
+    # a GPU, where an XLA step cannot reach it.
+    calls = tf.Variable(0.0, dtype=F64)
 
     def residuals():
         # Finite at the starting point (linearisation), NaN at every trial.
-        calls.assign_add(1)
-        bad = tf.cast(calls > 1, F64) * np.nan
-        return w * x + c + tf.where(calls > 1, bad, tf.zeros_like(x))
+        calls.assign_add(1.0)
+        bad = tf.cast(calls > 1.5, F64) * np.nan
+        return w * x + c + tf.where(calls > 1.5, bad, tf.zeros_like(x))
 
     def run():
         return _step([w, c], residuals, max_attempts=4)
