@@ -1,5 +1,7 @@
 """Small models and loops shared by the tests (flavour-agnostic: pass `K`)."""
 
+import contextlib
+
 import numpy as np
 import tensorflow as tf
 
@@ -86,6 +88,21 @@ def variables_of(optimizer):
 # with its default settings). The model's own products run at that
 # precision, so tolerances on anything a model computes derive from it.
 MATMUL_UNIT = 2.0 ** -11 if precision.tf32_may_apply() else 2.0 ** -24
+
+
+@contextlib.contextmanager
+def float32_matmuls():
+    """Float32 matrix products in the block (TF32 off, where a GPU would use
+    it): for tests of an identity of the math (two formulations, or two
+    batch layouts, agreeing to float32 round-off). TF32 rounds each side's
+    product inputs to 11 significant bits, differently for each (about 5e-4
+    relative on an H200), which says nothing about the identity."""
+    was = tf.config.experimental.tensor_float_32_execution_enabled()
+    tf.config.experimental.enable_tensor_float_32_execution(False)
+    try:
+        yield
+    finally:
+        tf.config.experimental.enable_tensor_float_32_execution(was)
 
 # Round-off bound for these tiny problems: a handful (~6) of updates of
 # O(0.1) on O(1) weights, each summing <= 26 per-example terms at relative

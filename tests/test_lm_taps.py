@@ -11,7 +11,15 @@ import tensorflow as tf
 from tf_gradkit.core.lm import linearize as lin_lib
 from tf_gradkit.gradients import tapped_jacobian
 
-from helpers import weights_of
+from helpers import float32_matmuls, weights_of
+
+
+@pytest.fixture(autouse=True)
+def _float32_products():
+    # The taps and forward mode are compared to float32 round-off: with
+    # TF32 (a GPU's default) both sides' products round differently.
+    with float32_matmuls():
+        yield
 
 
 def _tf_vars(variables):

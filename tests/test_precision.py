@@ -180,7 +180,10 @@ def test_lm_step_under_tf32_equals_the_float32_step(monkeypatch):
     # One Levenberg-Marquardt iteration (Cholesky on J^T J) from the same
     # point: with TF32 kernels and the split it matches float32 to a few
     # float32 ulps of the step; the unsplit TF32 step is visibly off.
-    reference = _one_lm_iteration("plain")
+    from helpers import float32_matmuls  # noqa: PLC0415
+
+    with float32_matmuls():  # on a GPU, "plain" would run TF32 kernels itself
+        reference = _one_lm_iteration("plain")
     split = _one_lm_iteration("split", _tf32_kernel, monkeypatch)
     unsplit = _one_lm_iteration("plain", _tf32_kernel, monkeypatch)
     start = np.array([1.0, -0.2, 0.1, 4.0], "float32")
