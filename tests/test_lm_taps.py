@@ -138,7 +138,11 @@ def _problem(K, loss="mse", outputs=1, seed=0):
     else:
         y = ((x[:, :1] > 0).astype("int64") + (x[:, 1:2] > 0)).astype("int64")
     width = 3 if loss == "sparse_categorical_crossentropy" else outputs
-    last = "sigmoid" if loss == "binary_crossentropy" else None
+    # Probabilities where the loss takes them (from_logits=False): raw Dense
+    # outputs would be clipped to [eps, 1 - eps], where nothing has a
+    # gradient (the step was zero on an H200, and eagerly on CPUs).
+    last = {"binary_crossentropy": "sigmoid",
+            "sparse_categorical_crossentropy": "softmax"}.get(loss)
 
     def build(**kwargs):
         model = K.Sequential([K.Input((3,), dtype="float64"),
