@@ -13,6 +13,7 @@ import tensorflow as tf
 
 import tf_gradkit
 from nist_problems import PROBLEMS, lre, residual_fn_for, variables_at
+from tf_gradkit.core.lm import damping, linear_solvers
 
 pytestmark = pytest.mark.keras_free
 
@@ -272,6 +273,28 @@ def test_matrix_free_solver_has_no_jacobian():
                                       scaling="levenberg")
     assert result.jac is None and result.covariance is None
     np.testing.assert_allclose(result.grad.numpy(), 0.0, atol=1e-9)
+
+
+def test_matrix_free_products_stay_at_the_linearisation_point():
+    # A tiny starting damping on a curved problem: the first attempts are
+    # rejected, so their trial points are in the variables when the next
+    # attempt solves. CG, run to convergence, must take the Cholesky step
+    # (J^T J v at the linearisation point), not one with J of a trial point.
+    x = tf.constant(np.linspace(0.0, 3.0, 40))
+    y = 2.0 * tf.exp(-1.3 * x) + 0.3
+
+    def run(solver):
+        v = tf.Variable([0.5, -3.0, 1.0], dtype=tf.float64)
+        result = tf_gradkit.least_squares(
+            lambda: v[0] * tf.exp(v[1] * x) + v[2] - y, [v], solver=solver,
+            scaling="levenberg", controller=damping.Nielsen(initial=1e-9),
+            max_iterations=1, jit_compile=False, cache=False)
+        return v.numpy(), result
+
+    cg_x, cg = run(linear_solvers.ConjugateGradient(max_iterations=50, tolerance=1e-14))
+    ch_x, ch = run("cholesky")
+    assert float(ch.damping) > 1e-6  # attempts were rejected (each raised it)
+    np.testing.assert_allclose(cg_x, ch_x, rtol=1e-7)
 
 
 # -- argument checks -------------------------------------------------------

@@ -195,16 +195,29 @@ def linearize_matrix_free(residual_fn, variables, dtype):
                                 unconnected_gradients=tf.UnconnectedGradients.ZERO),
                   dtype)
     residuals = tf.cast(residuals, dtype)
+    # J belongs to this point; a step's attempts write trial points into the
+    # variables, so each product moves them back here for its passes and
+    # then restores them (it used to differentiate at the last rejected
+    # trial: later attempts solved, and measured their predicted decrease,
+    # with another point's J).
+    anchor = [tf.identity(v) for v in variables]
 
     def matvec(v):
         tangents = unflatten(v, variables)
+        current = [tf.identity(var) for var in variables]
+        for var, value in zip(variables, anchor):
+            var.assign(value)
         with tf.GradientTape() as back:
             with tf.autodiff.ForwardAccumulator(variables, tangents) as acc:
                 r = tf.reshape(residual_fn(), [-1])
             jv = acc.jvp(r, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         jtjv = back.gradient(r, variables, output_gradients=tf.stop_gradient(jv),
                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return flatten(jtjv, dtype)
+        product = flatten(jtjv, dtype)
+        with tf.control_dependencies([product]):
+            for var, value in zip(variables, current):
+                var.assign(value)
+        return tf.identity(product)
 
     return Linearization(cost=0.5 * tf.reduce_sum(tf.square(residuals)),
                          jtj=None, jtr=jtr, matvec=matvec)
