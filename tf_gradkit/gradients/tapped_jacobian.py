@@ -207,10 +207,12 @@ def plan(model, variables, training=True):
     return steps, None
 
 
-def residuals_and_jacobian(steps, variables, residual_rows, dtype):
-    """``(r [B*m], J [B*m, P])`` of ``residual_rows() -> [B, m]`` (which runs
-    the model) from taps, the columns in ``variables``' order, rows in
-    ``r``'s (example-major)."""
+def _tapped_pass(steps, residual_rows, dtype):
+    """One forward pass with the taps on and ``m`` backward passes (one per
+    residual column, or one vectorised pass): ``(rows [B, m], records,
+    grads)``, ``records[id(layer)]`` each call's taps and ``grads`` an
+    iterator over each call's output gradients ``[m, B, ...]``, in
+    ``steps``' order."""
     records = {id(layer): [] for layer, _ in steps}
     with contextlib.ExitStack() as stack:
         stack.enter_context(per_example._Taps(steps, records))  # pylint: disable=protected-access
@@ -226,6 +228,14 @@ def residuals_and_jacobian(steps, variables, residual_rows, dtype):
         grads = tape.jacobian(totals, outputs, unconnected_gradients=zero,
                               experimental_use_pfor=True)
     grads = iter(grads)
+    return rows, records, grads
+
+
+def residuals_and_jacobian(steps, variables, residual_rows, dtype):
+    """``(r [B*m], J [B*m, P])`` of ``residual_rows() -> [B, m]`` (which runs
+    the model) from taps, the columns in ``variables``' order, rows in
+    ``r``'s (example-major)."""
+    rows, records, grads = _tapped_pass(steps, residual_rows, dtype)
     by_id = {}
     for layer, rule in steps:
         calls = [(r, next(grads)) for r in records[id(layer)]]
@@ -246,21 +256,7 @@ def matrix_free(steps, variables, residual_rows, dtype):
     the taps of one forward and ``m`` backward passes: each product is a
     few contractions of the stored layer inputs and output gradients (rows
     are formed only for layers whose rule has no ``products``)."""
-    records = {id(layer): [] for layer, _ in steps}
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(per_example._Taps(steps, records))  # pylint: disable=protected-access
-        tape = stack.enter_context(tf.GradientTape())
-        rows = tf.cast(residual_rows(), dtype)
-        totals = tf.reduce_sum(rows, 0)
-    outputs = [r["output"] for layer, _ in steps for r in records[id(layer)]]
-    zero = tf.UnconnectedGradients.ZERO
-    if rows.shape[1] == 1:
-        grads = [g[None] for g in tape.gradient(totals, outputs,
-                                                unconnected_gradients=zero)]
-    else:
-        grads = tape.jacobian(totals, outputs, unconnected_gradients=zero,
-                              experimental_use_pfor=True)
-    grads = iter(grads)
+    rows, records, grads = _tapped_pass(steps, residual_rows, dtype)
     index = {id(v): i for i, v in enumerate(variables)}
     sizes = [v.shape.num_elements() for v in variables]
     parts = []  # (variable positions, jvp, vjp)
