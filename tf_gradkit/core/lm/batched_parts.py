@@ -353,7 +353,7 @@ def trust_region_propose(controller, solver, lin, state, d2, x, active):
 
     def body(i, lam, lo, psi_lo, hi, psi_hi, has_hi, side, step, ok, n, done, used):
         live = fitting & ~done
-        new = list(_secant(radius, measure, lam, lo, psi_lo, hi, psi_hi, has_hi,
+        new = list(damping_lib.radius_fit_step(radius, measure, lam, lo, psi_lo, hi, psi_hi, has_hi,
                            side))
         old = [lam, lo, psi_lo, hi, psi_hi, has_hi, side, step, ok, n, done, used]
         out = [tf.where(live[:, None] if o.shape.rank == 2 else live, a, o)
@@ -373,27 +373,6 @@ def trust_region_propose(controller, solver, lin, state, d2, x, active):
     n = tf.where(gn_inside, gn_norm, fit_norm)
     radius = tf.where(first & ok, tf.minimum(radius, n), radius)
     return step, ok, damping_lib.DampingState(lam, radius)
-
-
-def _secant(radius, measure, lam, lo, psi_lo, hi, psi_hi, has_hi, side):
-    """One step of `TrustRegion`'s radius fit for every problem."""
-    used = lam
-    step, ok, n = measure(lam)
-    done = ok & (tf.abs(n - radius) <= 0.1 * radius)
-    psi = 1.0 / n - 1.0 / radius
-    left = psi < 0
-    psi_hi = tf.where(left & (side < 0), 0.5 * psi_hi, psi_hi)
-    psi_lo = tf.where(~left & (side > 0), 0.5 * psi_lo, psi_lo)
-    lo, psi_lo = tf.where(left, lam, lo), tf.where(left, psi, psi_lo)
-    hi, psi_hi = tf.where(left, hi, lam), tf.where(left, psi_hi, psi)
-    has_hi = has_hi | ~left
-    side = tf.where(left, -tf.ones_like(side), tf.ones_like(side))
-    secant = lo - psi_lo * (hi - lo) / (psi_hi - psi_lo)
-    ratio = tf.where(ok, lam * n / radius, 10.0 * lam)
-    cand = tf.where(has_hi, secant, ratio)
-    inside = (cand > lo) & (cand < hi) & tf.math.is_finite(cand)
-    cand = tf.where(inside, cand, tf.maximum(tf.sqrt(lo * hi), 1e-3 * hi))
-    return cand, lo, psi_lo, hi, psi_hi, has_hi, side, step, ok, n, done, used
 
 
 def stationarity(lin, largest):

@@ -266,26 +266,8 @@ class TrustRegion(Controller):
             def body(i, lam, lo, psi_lo, hi, psi_hi, has_hi, side, step, ok, norm,
                      done, used):
                 del step, ok, norm, done, used
-                used = lam
-                step, ok, norm = measure(lam)
-                done = ok & (tf.abs(norm - radius) <= 0.1 * radius)
-                psi = 1.0 / norm - 1.0 / radius
-                left = psi < 0
-                # Illinois: an end kept twice in a row has its psi halved.
-                psi_hi = tf.where(left & (side < 0), 0.5 * psi_hi, psi_hi)
-                psi_lo = tf.where(~left & (side > 0), 0.5 * psi_lo, psi_lo)
-                lo, psi_lo = tf.where(left, lam, lo), tf.where(left, psi, psi_lo)
-                hi, psi_hi = tf.where(left, hi, lam), tf.where(left, psi_hi, psi)
-                has_hi = has_hi | ~left
-                side = tf.where(left, -one, one)
-                secant = lo - psi_lo * (hi - lo) / (psi_hi - psi_lo)
-                # One side known only: |D d| ~ c / lambda for large lambda.
-                ratio = tf.where(ok, lam * norm / radius, 10.0 * lam)
-                cand = tf.where(has_hi, secant, ratio)
-                inside = (cand > lo) & (cand < hi) & tf.math.is_finite(cand)
-                cand = tf.where(inside, cand, tf.maximum(tf.sqrt(lo * hi), 1e-3 * hi))
-                return (i + 1, cand, lo, psi_lo, hi, psi_hi, has_hi, side, step,
-                        ok, norm, done, used)
+                return (i + 1,) + tuple(radius_fit_step(
+                    radius, measure, lam, lo, psi_lo, hi, psi_hi, has_hi, side))
 
             out = tf.while_loop(
                 lambda i, *rest: (i < self.max_solves) & ~rest[-2], body,
@@ -517,3 +499,28 @@ CONTROLLERS = {"nielsen": Nielsen, "multiply_divide": MultiplyDivide,
 # What ``scaling=`` accepts by name: the scalings, and the restart policy
 # "hybrid" (`least_squares` only).
 SCALINGS = {"levenberg": Levenberg, "marquardt": Marquardt, "hybrid": LevenbergThenMarquardt}
+
+
+def radius_fit_step(radius, measure, lam, lo, psi_lo, hi, psi_hi, has_hi, side):
+    """One step of `TrustRegion`'s fit of lambda to the trust radius
+    (Illinois secant on psi = 1/|D step| - 1/radius, MINPACK's bracket),
+    elementwise: one problem's scalars or a batch's vectors alike.
+    ``measure(lam) -> (step, ok, norm)``. Returns the next candidate and
+    bracket, and this solve's ``step, ok, norm, done, used``."""
+    used = lam
+    step, ok, n = measure(lam)
+    done = ok & (tf.abs(n - radius) <= 0.1 * radius)
+    psi = 1.0 / n - 1.0 / radius
+    left = psi < 0
+    psi_hi = tf.where(left & (side < 0), 0.5 * psi_hi, psi_hi)
+    psi_lo = tf.where(~left & (side > 0), 0.5 * psi_lo, psi_lo)
+    lo, psi_lo = tf.where(left, lam, lo), tf.where(left, psi, psi_lo)
+    hi, psi_hi = tf.where(left, hi, lam), tf.where(left, psi_hi, psi)
+    has_hi = has_hi | ~left
+    side = tf.where(left, -tf.ones_like(side), tf.ones_like(side))
+    secant = lo - psi_lo * (hi - lo) / (psi_hi - psi_lo)
+    ratio = tf.where(ok, lam * n / radius, 10.0 * lam)
+    cand = tf.where(has_hi, secant, ratio)
+    inside = (cand > lo) & (cand < hi) & tf.math.is_finite(cand)
+    cand = tf.where(inside, cand, tf.maximum(tf.sqrt(lo * hi), 1e-3 * hi))
+    return cand, lo, psi_lo, hi, psi_hi, has_hi, side, step, ok, n, done, used
