@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from tf_gradkit.core import precision
 from tf_gradkit.core import spd
+from tf_gradkit.core.lm import bounds as bounds_lib
 from tf_gradkit.core.lm import damping as damping_lib
 from tf_gradkit.core.lm import robust as robust_lib
 
@@ -124,31 +125,12 @@ class BatchedRobustLoss:
                                     jacobian=jac if needs_jacobian else None)
 
 
-class BatchedBounds:
-    """`bounds.Bounds` with ``lower``/``upper`` [B, P]."""
-
-    def __init__(self, lower, upper):
-        self.lower, self.upper = lower, upper
-
-    def clip(self, x):
-        return tf.clip_by_value(x, self.lower, self.upper)
-
-    def project(self, x, step):
-        return self.clip(x + step) - x
-
-    def frozen(self, x, gradient):
-        return (((x <= self.lower) & (gradient > 0))
-                | ((x >= self.upper) & (gradient < 0)))
+class BatchedBounds(bounds_lib.Bounds):
+    """`bounds.Bounds` with ``lower``/``upper`` [B, P]: clip, project,
+    frozen and coleman_li are elementwise there already."""
 
     def infeasible(self, x):
         return tf.reduce_any((x < self.lower) | (x > self.upper), axis=-1)
-
-    def coleman_li(self, x, gradient):
-        one = tf.ones_like(x)
-        v = tf.where((gradient < 0) & tf.math.is_finite(self.upper),
-                     self.upper - x, one)
-        return tf.where((gradient > 0) & tf.math.is_finite(self.lower),
-                        x - self.lower, v)
 
     def active_mask(self, x):
         """scipy's ``active_mask`` (int64: no int32 tensor on a GPU's host)."""
