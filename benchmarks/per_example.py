@@ -152,7 +152,6 @@ def plot(table):
     left.set_yscale("log")
     fig.suptitle(f"Per-example gradient norms, CNN with {PARAMS} parameters, CPU")
     plotting.save(fig, "per_example.png", dpi=90)
-    print(f"plot: {path}")
 
 
 if __name__ == "__main__":

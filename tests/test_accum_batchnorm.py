@@ -14,7 +14,6 @@ import importlib
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from conftest import FLAVOUR, compile_fn
 

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import FLAVOUR
 from helpers import ROUNDOFF, max_abs_diff, mlp, regression_data, weights_of
 
 # 26 examples in batches of 8, 8, 8, 2 and windows of 3: one full window and

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import FLAVOUR, MODES, compile_fn
+from conftest import FLAVOUR, compile_fn
 from helpers import (ROUNDOFF, embedding_model, make_train_step, max_abs_diff,
                      mlp, mse_grads, regression_data, variables_of, weights_of)
 

@@ -21,7 +21,6 @@ import os
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import multiworker
 from conftest import FLAVOUR

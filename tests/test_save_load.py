@@ -20,7 +20,6 @@ the last bit.
 
 import json
 
-import numpy as np
 import pytest
 import tensorflow as tf
 

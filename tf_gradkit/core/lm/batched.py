@@ -89,7 +89,6 @@ def solve(residual_fn, x0, options, counts, box=None, full_output=False):
     dtype = x0.dtype
     eps = float(np.finfo(dtype.as_numpy_dtype).eps)
     robust = parts.BatchedRobustLoss(options.loss, counts)
-    solver = options.solver
 
     def cost_fn(x):
         return robust.cost(residual_fn(x))
