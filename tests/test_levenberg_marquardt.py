@@ -765,9 +765,19 @@ def test_own_residuals_equal_the_compiled_mse(K, gk, mode):
                                                       linearization="autodiff"),
                       loss="mse", run_eagerly=mode == "eager",
                       jit_compile=mode == "jit")
-        model.fit(x, y, batch_size=200, epochs=5, verbose=0)
+        with float32_matmuls():
+            model.fit(x, y, batch_size=200, epochs=5, verbose=0)
         weights.append([w.numpy() for w in model.trainable_variables])
-    assert max_abs_diff(weights[0], weights[1]) == 0
+    if mode == "jit" and tf.config.list_physical_devices("GPU"):
+        # XLA on a GPU fuses the two programs (the built-in residual and the
+        # lambda) differently, so their float32 sums round differently: an
+        # H200 gave 1.2e-7 (Keras 3) and 4.2e-6 (tf_keras) on weights up to 16
+        # after 25 steps. A wrong residual (sign, scale, weighting) moves the
+        # weights by O(0.1) or more; 1e-5 of the largest weight separates them.
+        scale = float(np.max(np.abs(np.concatenate([w.ravel() for w in weights[0]]))))
+        assert max_abs_diff(weights[0], weights[1]) <= 1e-5 * scale
+    else:  # on a CPU: the same float32 operations in the same order
+        assert max_abs_diff(weights[0], weights[1]) == 0
 
 
 def test_own_residuals_in_a_saved_model(K, gk, tmp_path):
