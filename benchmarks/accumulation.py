@@ -46,6 +46,8 @@ import time
 import traceback
 from concurrent import futures
 
+from timing import spread, write_result  # benchmarks/timing.py
+
 STEPS = 4  # micro-batches per window, for every accumulating contender
 BATCH = 64
 VOCAB = 50_000
@@ -439,8 +441,7 @@ def _ratio_stats(row, plain):
     """Median (and range) of per-repeat ratios, paired by repeat index."""
     if not plain or "repeats_ms" not in row or "repeats_ms" not in plain:
         return None, None, None
-    ratios = [a / b for a, b in zip(row["repeats_ms"], plain["repeats_ms"])]
-    return statistics.median(ratios), min(ratios), max(ratios)
+    return spread(a / b for a, b in zip(row["repeats_ms"], plain["repeats_ms"]))
 
 
 def main_table(rows, memory):
@@ -646,10 +647,7 @@ def parent(args):
     for r in failures:
         print(f"\n--- traceback: gradkit {r.get('flavour')} {r.get('model')} "
               f"{r.get('mode')} ---\n{r['traceback']}")
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    path = os.path.join(HERE, "results", "accumulation.md")
-    with open(path, "w") as f:
-        f.write(report + "\n")
+    path = write_result("accumulation.md", report)
     print(f"\nwritten to {os.path.relpath(path)}")
 
 

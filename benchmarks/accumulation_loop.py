@@ -30,6 +30,7 @@ import statistics
 import time
 
 import accumulation as fit_bench  # the same models, data and worker plumbing
+from timing import write_result  # benchmarks/timing.py
 
 STEPS = fit_bench.STEPS
 CONTENDERS = ("plain", "gradkit", "keras", "open", "closing")
@@ -169,10 +170,7 @@ def parent(args):
     ])
     print()
     print(report)
-    os.makedirs(os.path.join(fit_bench.HERE, "results"), exist_ok=True)
-    path = os.path.join(fit_bench.HERE, "results", "accumulation_loop.md")
-    with open(path, "w") as f:
-        f.write(report + "\n")
+    path = write_result("accumulation_loop.md", report)
     print(f"\nwritten to {os.path.relpath(path)}")
 
 

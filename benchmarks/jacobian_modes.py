@@ -10,8 +10,6 @@ Run: ``.venv/bin/python benchmarks/jacobian_modes.py`` (about a minute).
 """
 
 import os
-import statistics
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -19,18 +17,9 @@ import tensorflow as tf  # noqa: E402
 
 from tf_gradkit.gradients import jacobian  # noqa: E402
 import plotting  # noqa: E402  (benchmarks/plotting.py)
+from timing import median_ms  # noqa: E402  (benchmarks/timing.py)
 
 P = 512
-
-
-def median_ms(fn, repeats=20):
-    fn().numpy()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn().numpy()
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
 
 
 def main():
