@@ -296,7 +296,11 @@ def start_next_window(state: AccumulationState, closing):
 
 
 def all_finite(grads):
-    """True when no gradient (dense or ``IndexedSlices``) holds a NaN or Inf."""
+    """True when no gradient (dense or ``IndexedSlices``) holds a NaN or Inf.
+
+    A micro-step's own test, apart from the window's (`window_finite`):
+    ``GradientAccumulator(nonfinite="raise")`` refuses a non-finite micro-batch
+    with it where XLA drops ``tf.debugging`` checks."""
     checks = []
     for g in grads:
         if g is None:
