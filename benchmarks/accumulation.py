@@ -200,7 +200,7 @@ def worker_timing(args):
                     _timed_fit(model, ds, 2 * STEPS, timer_cls)
                     live[contender] = (model, row)
                     repeats[contender], batches[contender] = [], []
-                except Exception as exc:  # reported, never hidden
+                except Exception as exc:  # noqa: BLE001 - reported, never hidden
                     row["error"] = _error_text(exc)
                     row["traceback"] = traceback.format_exc()
             order = list(live)
@@ -211,7 +211,7 @@ def worker_timing(args):
                     try:
                         per_step, per_batch = _timed_fit(
                             model, ds, args.steps, timer_cls)
-                    except Exception as exc:
+                    except Exception as exc:  # noqa: BLE001
                         row["error"] = _error_text(exc)
                         row["traceback"] = traceback.format_exc()
                         continue
@@ -263,7 +263,7 @@ def worker_memory(args):
         peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         row["rss_mb"] = (peak_kb - base_kb) / 1024
         row["state_mb"] = _state_bytes(model) / 2**20
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001
         row["error"] = _error_text(exc)
         row["traceback"] = traceback.format_exc()
     print(RESULT_TAG + json.dumps(row), flush=True)
@@ -410,7 +410,7 @@ def worker_distributed(args):
                     iterator = iter(strategy.experimental_distribute_dataset(ds))
                     graph_def = fn.get_concrete_function(iterator).graph.as_graph_def()
                     row.update(_reduce_ops_in_graph(graph_def))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001
                 row["error"] = _error_text(exc)
                 row["traceback"] = traceback.format_exc()
     print(RESULT_TAG + json.dumps(rows), flush=True)
@@ -556,7 +556,7 @@ def parent(args):
     flavours = ["keras3"] if quick or args.no_tf_keras else ["keras3", "tf_keras"]
     common = ["--modes", ",".join(modes), "--steps", str(steps),
               "--repeats", str(repeats)]
-    log = lambda msg: print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)
+    log = lambda msg: print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)  # noqa: E731
 
     rows = []
     for flavour in flavours:

@@ -87,7 +87,7 @@ def worker(args):
                     loss = step(*batches[i % STEPS])
                 float(loss)
                 live[contender] = (step, row, [])
-            except Exception as exc:  # reported, never hidden
+            except Exception as exc:  # noqa: BLE001 - reported, never hidden
                 row["error"] = fit_bench._error_text(exc)
         order = list(live)
         for r in range(args.repeats):

@@ -39,13 +39,13 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-from tf_gradkit.core import projections  # noqa: E402
-from tf_gradkit.keras3 import ConditionalGradient  # noqa: E402
-from timing import spread, write_result  # noqa: E402  (benchmarks/timing.py)
+from tf_gradkit.core import projections
+from tf_gradkit.keras3 import ConditionalGradient
+from timing import spread, write_result
 
 LR = 0.1
 RADIUS = 10.0

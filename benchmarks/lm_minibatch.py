@@ -24,12 +24,12 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from sklearn.datasets import load_diabetes  # noqa: E402
+import numpy as np
+import tensorflow as tf
+from sklearn.datasets import load_diabetes
 
-import tf_gradkit  # noqa: E402
-import timing  # noqa: E402  (benchmarks/timing.py)
+import tf_gradkit
+import timing
 
 K = tf.keras
 

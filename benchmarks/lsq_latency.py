@@ -35,12 +35,12 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # this script only, before TF loads
 
-import numpy as np  # noqa: E402
-import scipy.optimize as so  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import scipy.optimize as so
+import tensorflow as tf
 
-import tf_gradkit  # noqa: E402
-from timing import spread, write_result  # noqa: E402  (benchmarks/timing.py)
+import tf_gradkit
+from timing import spread, write_result
 
 START = (1.0, 1.0, 0.0)
 

@@ -28,9 +28,9 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # this script only, before TF loads
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from timing import spread_text as spread, write_result  # noqa: E402  (benchmarks/timing.py)
+from timing import spread_text as spread, write_result
 
 INNER = 20  # solves per timed call
 

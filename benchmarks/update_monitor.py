@@ -18,13 +18,13 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+import numpy as np
+import tensorflow as tf
+from sklearn.datasets import load_digits
 
-import tf_gradkit  # noqa: E402
-import plotting  # noqa: E402  (benchmarks/plotting.py)
-import timing  # noqa: E402  (benchmarks/timing.py)
+import tf_gradkit
+import plotting
+import timing
 
 K = tf.keras
 # The process's CPU time (all its threads) instead of wall time: on a

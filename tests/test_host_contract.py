@@ -132,7 +132,7 @@ def _own_names():
     own = set()
     for path in glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True):
         in_hosts = os.sep + "_hosts" + os.sep in path
-        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):  # noqa: SIM115
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
                 own.add(node.name)
             if isinstance(node, ast.ClassDef):
@@ -174,7 +174,7 @@ def test_no_private_keras_member_is_read_outside_the_hosts():
         if parts[1] in ("_hosts", "keras3", "tf_keras"):  # the flavours' own code
             continue
         in_core = parts[1] == "core"
-        tree = ast.parse(open(path, encoding="utf-8").read())
+        tree = ast.parse(open(path, encoding="utf-8").read())  # noqa: SIM115
         for line, name in _private_reads(tree):
             if name.startswith("import "):
                 bad = re.match(r"import (keras|tf_keras)\.src\b", name) or (

@@ -154,7 +154,7 @@ def accumulate(state: AccumulationState, grads, weight, accept=True, count=None)
     """
     window = state.window.read_value()
     started = state.micro_step.read_value() > 0
-    gate = (lambda new, old: new) if accept is True else (  # noqa: E731
+    gate = (lambda new, old: new) if accept is True else (
         lambda new, old: tf.where(accept, new, old))
     written = []  # per "rows" sum: are the values this micro-step wrote finite
     for index, (acc, rows, g) in enumerate(zip(state.acc_grads, state.row_windows, grads)):
