@@ -9,9 +9,15 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import FLAVOUR, compile_fn
+from conftest import FLAVOUR, compile_fn, mode_with_function_slow
 from helpers import embedding_model, mlp, regression_data
 from tf_gradkit.core import frank_wolfe as fw
+
+
+# "function" (tf.function without XLA) runs under `make test-slow` only: each
+# test taking `mode` keeps its "jit" case, the graph-mode run of the same
+# assertion (conftest.mode_with_function_slow).
+mode = mode_with_function_slow()
 
 ORDS = ("fro", "nuclear", "l1", "linf", "k_sparse")
 

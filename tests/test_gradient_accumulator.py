@@ -13,9 +13,15 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import FLAVOUR, compile_fn
+from conftest import FLAVOUR, compile_fn, mode_with_function_slow
 from helpers import (ROUNDOFF, embedding_model, make_train_step, max_abs_diff,
                      mlp, mse_grads, regression_data, variables_of, weights_of)
+
+
+# "function" (tf.function without XLA) runs under `make test-slow` only: each
+# test taking `mode` keeps its "jit" case, the graph-mode run of the same
+# assertion (conftest.mode_with_function_slow).
+mode = mode_with_function_slow()
 
 INNER = {
     "sgd": lambda K: K.optimizers.SGD(0.1),

@@ -5,13 +5,19 @@ import pytest
 import tensorflow as tf
 
 import tf_gradkit
-from conftest import compile_fn, keras_module
+from conftest import MODES, compile_fn, keras_module, mode_with_function_slow
 from helpers import (MATMUL_UNIT, float32_matmuls, max_abs_diff, mlp, regression_data,
                      weights_of)
 from tf_gradkit.core.lm import damping as damping_lib
 from tf_gradkit.core.lm import linearize as lin_lib
 from tf_gradkit.core.lm import linear_solvers as solvers_lib
 from tf_gradkit.core.lm import step as step_lib
+
+
+# "function" (tf.function without XLA) runs under `make test-slow` only: each
+# test taking `mode` keeps its "jit" case, the graph-mode run of the same
+# assertion (conftest.mode_with_function_slow).
+mode = mode_with_function_slow()
 
 F64 = tf.float64
 
@@ -162,6 +168,9 @@ def test_rejected_steps_restore_weights_exactly(mode):
 
 
 # ------------------------------------------------------------ least_squares
+# "function" here is least_squares called inside a tf.function of the
+# caller's (not the jit_compile flag): its only test, so it keeps all three.
+@pytest.mark.parametrize("mode", MODES)
 def test_least_squares_reports_convergence(mode):
     a = tf.Variable(1.0, dtype=F64)
     b = tf.Variable(0.1, dtype=F64)
