@@ -62,7 +62,10 @@ test: $(STAMP)
 # them; these files run on the tf_keras side (in a process of their own, after
 # the tf_keras suite) so that the two sides take about the same time.
 KERAS_FREE_BESIDE_TF_KERAS := tests/test_nist.py tests/test_lm_trust_region.py \
-	tests/test_scipy_least_squares.py
+	tests/test_scipy_least_squares.py tests/test_least_squares_scipy.py \
+	tests/test_implicit_least_squares.py tests/test_lm_solve_cache.py \
+	tests/test_batched_least_squares.py tests/test_spd.py tests/test_projections.py \
+	tests/test_precision.py
 
 test-keras3-local: $(STAMP)
 	TF_USE_LEGACY_KERAS=0 $(PYTEST) --durations=15 -m "not slow and not multiworker" \

@@ -56,6 +56,18 @@ def mode(request):
     return request.param
 
 
+def mode_with_function_slow():
+    """A module's own `mode` fixture (assign it to `mode` in the module) whose
+    "function" case (tf.function without XLA) runs only under `make
+    test-slow`: for modules where every test taking `mode` also runs "jit",
+    the default run's graph-mode case of the same test and assertion."""
+    @pytest.fixture(name="mode", params=[
+        "eager", pytest.param("function", marks=pytest.mark.slow), "jit"])
+    def _mode(request):
+        return request.param
+    return _mode
+
+
 def compile_fn(fn, mode):
     """Wraps `fn` for eager, `tf.function` or `tf.function(jit_compile=True)`."""
     if mode == "eager":

@@ -9,9 +9,15 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import FLAVOUR, compile_fn
+from conftest import FLAVOUR, compile_fn, mode_with_function_slow
 from helpers import embedding_model, mlp, regression_data
 from tf_gradkit.core import frank_wolfe as fw
+
+
+# "function" (tf.function without XLA) runs under `make test-slow` only: each
+# test taking `mode` keeps its "jit" case, the graph-mode run of the same
+# assertion (conftest.mode_with_function_slow).
+mode = mode_with_function_slow()
 
 ORDS = ("fro", "nuclear", "l1", "linf", "k_sparse")
 
@@ -72,6 +78,7 @@ def _matrix_with_gap(m, n, ratio=0.5, seed=0):
 
 # --- core oracles ------------------------------------------------------------
 
+@pytest.mark.keras_free  # tf_gradkit.core/least_squares only: the same in either process
 def test_core_oracles_match_numpy_and_are_optimal(mode):
     g = _rand((4, 5))
     r = 1.7
@@ -95,6 +102,7 @@ def test_core_oracles_match_numpy_and_are_optimal(mode):
     assert not np.any(fw.lmo_frobenius(tf.zeros((3, 2)), r).numpy())
 
 
+@pytest.mark.keras_free  # tf_gradkit.core/least_squares only: the same in either process
 def test_nuclear_power_iteration_matches_numpy_svd(mode):
     # sigma2/sigma1 = 0.5 and 30 iterations: angle error ~ 0.25^30 ~ 1e-18,
     # so only float32 round-off (TOL) remains. Covers a rank-4 kernel too.

@@ -53,12 +53,12 @@ def _pins_tf_keras(code):
     return 'os.environ["TF_USE_LEGACY_KERAS"] = "1"' in code
 
 
-@pytest.fixture(scope="module")
-def shared_run():
-    """Results of the flavour-neutral blocks, run together once."""
+def _run_together(pinned, env):
+    """Results of the blocks that pin tf_keras (``pinned``) or of the others,
+    run together once in one interpreter."""
     blocks = [(p.id, p.values[0]) for p in _examples()
-              if not _pins_tf_keras(p.values[0])]
-    out = subprocess.run([sys.executable, "-c", _RUNNER], env=dict(os.environ),
+              if _pins_tf_keras(p.values[0]) == pinned]
+    out = subprocess.run([sys.executable, "-c", _RUNNER], env=env,
                          input=json.dumps(blocks), capture_output=True, text=True,
                          timeout=1800)
     results = {}
@@ -69,20 +69,29 @@ def shared_run():
     return results, out.stderr[-3000:]
 
 
+@pytest.fixture(scope="module")
+def shared_run():
+    """The flavour-neutral blocks, in a Keras 3 process."""
+    return _run_together(False, dict(os.environ))
+
+
+@pytest.fixture(scope="module")
+def tfmot_run():
+    """The blocks that pin tf_keras (the tfmot ones), in a tf_keras process:
+    one tensorflow and tfmot import for all of them."""
+    return _run_together(True, dict(os.environ, TF_USE_LEGACY_KERAS="1"))
+
+
 @pytest.mark.parametrize("code", list(_examples()))
 def test_doc_example_runs(code, request):
     # Each block runs once: the tfmot ones (which pin tf_keras themselves, so
-    # need an interpreter of their own) in the tf_keras process, the others
-    # in the Keras 3 one. Their features are tested under both flavours by the
-    # suite; here we check that the docs run.
+    # need an interpreter pinned to tf_keras, shared among them) in the
+    # tf_keras process, the others in the Keras 3 one. Their features are
+    # tested under both flavours by the suite; here we check that the docs run.
     if _pins_tf_keras(code) != _legacy_process():
         pytest.skip("runs once, in the other flavour's process")
-    if _pins_tf_keras(code):
-        out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ),
-                             capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return
-    results, stderr = request.getfixturevalue("shared_run")
+    results, stderr = request.getfixturevalue(
+        "tfmot_run" if _pins_tf_keras(code) else "shared_run")
     name = request.node.callspec.id
     assert name in results, f"the docs runner stopped before {name}: {stderr}"
     assert results[name] is None, results[name]

@@ -13,9 +13,15 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import FLAVOUR, compile_fn
+from conftest import FLAVOUR, compile_fn, mode_with_function_slow
 from helpers import (ROUNDOFF, embedding_model, make_train_step, max_abs_diff,
                      mlp, mse_grads, regression_data, variables_of, weights_of)
+
+
+# "function" (tf.function without XLA) runs under `make test-slow` only: each
+# test taking `mode` keeps its "jit" case, the graph-mode run of the same
+# assertion (conftest.mode_with_function_slow).
+mode = mode_with_function_slow()
 
 INNER = {
     "sgd": lambda K: K.optimizers.SGD(0.1),
@@ -624,16 +630,25 @@ def test_public_names_resolve_to_the_active_flavour(gk):
     assert tf_gradkit.optimizers.GradientAccumulator is gk.GradientAccumulator
 
 
+# keras_free: the child process is the same from either flavour's process
+# (TF_USE_LEGACY_KERAS removed from its environment), so it runs once.
+@pytest.mark.keras_free
 def test_import_sets_no_environment_and_imports_no_keras():
     # TensorFlow itself imports the Keras tf.keras is; tf_gradkit must add no
-    # Keras module (it registers its own classes with that Keras).
+    # Keras module (it registers its own classes with that Keras). Then
+    # tf_gradkit.pruning and its names: still no tfmot, no environment change
+    # (tfmot's import would set TF_USE_LEGACY_KERAS for the process).
     code = (
         "import os, sys; import tensorflow; before = dict(os.environ); "
         "mods = set(sys.modules); import tf_gradkit; "
         "assert dict(os.environ) == before, 'environment changed'; "
         "new = [m for m in set(sys.modules) - mods if 'keras' in m "
         "and not m.startswith('tf_gradkit')]; "
-        "assert not new, new")
+        "assert not new, new; "
+        "import tf_gradkit.pruning as p; "
+        "p.MaskAware, p.PruningStepper, p.UpdatePruningStepFromOptimizer; "
+        "assert 'tensorflow_model_optimization' not in sys.modules, 'tfmot imported'; "
+        "assert dict(os.environ) == before, 'tf_gradkit.pruning changed the environment'")
     env = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}
     out = subprocess.run([sys.executable, "-c", code], env=env,
                          capture_output=True, text=True, timeout=300)

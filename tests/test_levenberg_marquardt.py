@@ -5,13 +5,19 @@ import pytest
 import tensorflow as tf
 
 import tf_gradkit
-from conftest import compile_fn, keras_module
+from conftest import MODES, compile_fn, keras_module, mode_with_function_slow
 from helpers import (MATMUL_UNIT, float32_matmuls, max_abs_diff, mlp, regression_data,
                      weights_of)
 from tf_gradkit.core.lm import damping as damping_lib
 from tf_gradkit.core.lm import linearize as lin_lib
 from tf_gradkit.core.lm import linear_solvers as solvers_lib
 from tf_gradkit.core.lm import step as step_lib
+
+
+# "function" (tf.function without XLA) runs under `make test-slow` only: each
+# test taking `mode` keeps its "jit" case, the graph-mode run of the same
+# assertion (conftest.mode_with_function_slow).
+mode = mode_with_function_slow()
 
 F64 = tf.float64
 
@@ -124,6 +130,7 @@ def _step(variables, residual_fn, solver="cholesky", max_attempts=10, initial=1e
 
 
 @pytest.mark.parametrize("solver", ["cholesky", "qr", "dual"])
+@pytest.mark.keras_free  # tf_gradkit.core/least_squares only: the same in either process
 def test_linear_problem_solved_in_one_nearly_undamped_step(solver, mode):
     x = tf.constant(np.linspace(0, 1, 6))
     y = 3.0 * x - 1.0
@@ -138,6 +145,7 @@ def test_linear_problem_solved_in_one_nearly_undamped_step(solver, mode):
     assert float(c) == pytest.approx(-1.0, abs=1e-9)
 
 
+@pytest.mark.keras_free  # tf_gradkit.core/least_squares only: the same in either process
 def test_rejected_steps_restore_weights_exactly(mode):
     w = tf.Variable(0.7, dtype=F64)
     c = tf.Variable(-0.2, dtype=F64)
@@ -162,6 +170,10 @@ def test_rejected_steps_restore_weights_exactly(mode):
 
 
 # ------------------------------------------------------------ least_squares
+# "function" here is least_squares called inside a tf.function of the
+# caller's (not the jit_compile flag): its only test, so it keeps all three.
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.keras_free  # tf_gradkit.core/least_squares only: the same in either process
 def test_least_squares_reports_convergence(mode):
     a = tf.Variable(1.0, dtype=F64)
     b = tf.Variable(0.1, dtype=F64)
@@ -185,6 +197,7 @@ def test_least_squares_reports_convergence(mode):
     assert np.max(np.abs([float(g) for g in grads])) < 1e-12
 
 
+@pytest.mark.keras_free  # tf_gradkit.core/least_squares only: the same in either process
 def test_least_squares_iteration_limit_is_not_convergence():
     a = tf.Variable(10.0, dtype=F64)
     x = tf.constant(np.linspace(0, 3, 20))
@@ -388,6 +401,7 @@ def test_multi_output_residuals_match_the_compiled_loss(K, gk):
     assert history.history["loss"][-1] < history.history["loss"][0]
 
 
+@pytest.mark.keras_free  # tf_gradkit.core/least_squares only: the same in either process
 def test_matrix_free_cg_step_equals_cholesky_step(mode):
     # One LM iteration: CG run to a tight tolerance gives the Cholesky step.
     from tf_gradkit._algorithms import levenberg_marquardt as lm_algorithm  # noqa: PLC0415
@@ -434,6 +448,7 @@ def test_cg_solver_trains_through_fit_and_needs_levenberg(K, gk):
     assert history.history["loss"][-1] < 0.5 * history.history["loss"][0]
 
 
+@pytest.mark.keras_free  # tf_gradkit.core/least_squares only: the same in either process
 def test_least_squares_with_cg():
     a = tf.Variable(1.0, dtype=F64)
     b = tf.Variable(0.1, dtype=F64)
@@ -549,6 +564,7 @@ def test_geodesic_acceleration_by_hand(alpha, expected):
     assert 1.0 + float(step[0]) == pytest.approx(expected, rel=1e-9)
 
 
+@pytest.mark.keras_free  # tf_gradkit.core/least_squares only: the same in either process
 def test_least_squares_with_geodesic_acceleration_converges():
     a = tf.Variable(1.0, dtype=F64)
     b = tf.Variable(0.1, dtype=F64)

@@ -5,8 +5,15 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import compile_fn
+from conftest import compile_fn, mode_with_function_slow
 from helpers import max_abs_diff, mlp, regression_data
+
+
+# "function" (tf.function without XLA) runs under `make test-slow` only: each
+# test taking `mode` keeps its "jit" case, the graph-mode run of the same
+# assertion (conftest.mode_with_function_slow).
+mode = mode_with_function_slow()
+FUNCTION_SLOW = pytest.param("function", marks=pytest.mark.slow)  # as `mode` above
 
 
 # -- non-finite batches ----------------------------------------------------
@@ -41,7 +48,11 @@ def _fit(K, gk, x, y, mode, epochs, **kwargs):
     return model, opt, history
 
 
-@pytest.mark.parametrize("mode,kind", [("eager", "nan_input"), ("function", "nan_input"),
+# "function" cases: under `make test-slow`; the "jit" case is the default
+# run's graph-mode test of the same assertion.
+@pytest.mark.parametrize("mode,kind", [("eager", "nan_input"),
+                                       pytest.param("function", "nan_input",
+                                                    marks=pytest.mark.slow),
                                        ("jit", "nan_input"),
                                        pytest.param("jit", "inf_target",
                                                     marks=pytest.mark.slow)])
@@ -90,7 +101,7 @@ def test_fit_skips_a_batch_with_a_nonfinite_jacobian(K, gk):
     assert int(opt.iterations.numpy()) == 0
 
 
-@pytest.mark.parametrize("mode_", ["eager", "function", "jit"])
+@pytest.mark.parametrize("mode_", ["eager", FUNCTION_SLOW, "jit"])
 def test_minimize_skips_a_nonfinite_batch(gk, mode_):
     """A custom loop over batches, one of them NaN: ``minimize`` returns its
     NaN cost, changes nothing, and the loop ends where the clean loop does."""
@@ -207,7 +218,7 @@ def test_fit_applies_variable_constraints(K, gk, mode):
     assert costs[-1] < (4.5 if mode != "eager" else 4.7) < costs[0], costs
 
 
-@pytest.mark.parametrize("mode_", ["eager", "function", "jit"])
+@pytest.mark.parametrize("mode_", ["eager", FUNCTION_SLOW, "jit"])
 def test_minimize_applies_variable_constraints(K, gk, mode_):
     """Reported: ``minimize`` left min(v) = -0.9995. Keras variables (a
     layer's ``kernel_constraint``) and ``tf.Variable(constraint=...)``."""

@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import compile_fn
+from conftest import compile_fn, mode_with_function_slow
+
+
+# "function" (tf.function without XLA) runs under `make test-slow` only: each
+# test taking `mode` keeps its "jit" case, the graph-mode run of the same
+# assertion (conftest.mode_with_function_slow).
+mode = mode_with_function_slow()
 
 
 def problem(K, seed=0, keep=0.3):

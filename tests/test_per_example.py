@@ -5,9 +5,15 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import compile_fn
+from conftest import compile_fn, mode_with_function_slow
 from helpers import MATMUL_UNIT
 from tf_gradkit.gradients import per_example_gradient_norms, per_example_gradients
+
+
+# "function" (tf.function without XLA) runs under `make test-slow` only: each
+# test taking `mode` keeps its "jit" case, the graph-mode run of the same
+# assertion (conftest.mode_with_function_slow).
+mode = mode_with_function_slow()
 
 # float32 sums of a few hundred products per norm, in another order than the
 # loop's (Gram form vs materialised gradient): relative round-off ~1e-6; the

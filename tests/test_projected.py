@@ -7,10 +7,16 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import FLAVOUR, compile_fn
+from conftest import FLAVOUR, compile_fn, mode_with_function_slow
 from helpers import max_abs_diff, mse_grads, regression_data, weights_of
 
 from tf_gradkit import constraints as C
+
+
+# "function" (tf.function without XLA) runs under `make test-slow` only: each
+# test taking `mode` keeps its "jit" case, the graph-mode run of the same
+# assertion (conftest.mode_with_function_slow).
+mode = mode_with_function_slow()
 
 # A projection after an identical float32 update: both sides compute the same
 # ops in the same order, so only fused-kernel rounding (a few ulps of O(1)

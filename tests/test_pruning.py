@@ -472,6 +472,9 @@ def test_get_config_round_trip():
     assert _nonzero_pruned(model, restored) == (0, 0)
 
 
+# The same child process, with these same assertions, runs by default in
+# test_gradient_accumulator.py::test_import_sets_no_environment_and_imports_no_keras.
+@pytest.mark.slow
 def test_import_neither_imports_tfmot_nor_sets_environment():
     code = (
         "import os, sys\n"
