@@ -109,3 +109,39 @@ def test_arguments_are_checked():
         tf_gradkit.solve_least_squares(None, START)
     with pytest.raises(ValueError, match="`loss` must be one of"):
         tf_gradkit.solve_least_squares(decay, START, args=(Y0,), loss="l2")
+
+
+def test_repeated_eager_solves_reuse_the_compiled_solve_and_stay_exact():
+    """Eager calls with new data of the same shapes run the cached solve (one
+    trace, then hits) and give what a solve traced for that data alone gives,
+    gradients included; x and an argument of the same shape and dtype are
+    held apart (each has a scratch variable of its own)."""
+    from tf_gradkit.core.lm import solve_cache  # noqa: PLC0415
+    a = tf.constant(RNG.normal(size=(3, 3)))
+    def mixed(p, q):  # x and the argument q: both [3] float64
+        return tf.concat([tf.linalg.matvec(a, p) - q, 0.1 * (p - 2.0 * q)], axis=0)
+
+    def solve(q, **options):
+        q = tf.constant(q)
+        with tf.GradientTape() as tape:
+            tape.watch(q)
+            x, result = tf_gradkit.solve_least_squares(mixed, np.zeros(3), args=(q,),
+                                                       jit_compile=False, **options)
+            value = tf.reduce_sum(WEIGHTS * x)
+        return x.numpy(), tape.gradient(value, q).numpy(), int(result.iterations)
+
+    solve_cache.SOLVES.clear()
+    qs = [RNG.normal(size=3) for _ in range(3)]
+    cached = [solve(q) for q in qs]
+    info = solve_cache.SOLVES.info()
+    assert (info.misses, info.hits) == (1, 2), info
+    for q, (x, grad, iterations) in zip(qs, cached):
+        x_ref, grad_ref, iterations_ref = solve(q, cache=False)
+        np.testing.assert_array_equal(x, x_ref)
+        np.testing.assert_array_equal(grad, grad_ref)
+        assert iterations == iterations_ref
+        # The minimiser in closed form: the stacked linear system's solution.
+        big = np.vstack([a.numpy(), 0.1 * np.eye(3)])
+        rhs = np.concatenate([q, 0.2 * q])
+        np.testing.assert_allclose(x, np.linalg.lstsq(big, rhs, rcond=None)[0],
+                                   rtol=1e-8, atol=1e-10)

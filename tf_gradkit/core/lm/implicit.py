@@ -11,6 +11,8 @@ on a bound do not move with ``theta``: their rows leave ``H`` and their
 derivative is 0.
 """
 
+import threading
+
 import numpy as np
 import tensorflow as tf
 
@@ -18,6 +20,7 @@ from tf_gradkit.core.lm.least_squares import least_squares
 from tf_gradkit.core.lm.robust import RobustLoss
 
 _SCRATCH = {}
+_EAGER_LOCK = threading.RLock()
 
 
 def solve_least_squares(residual_fn, x0, args=(), **options):
@@ -50,7 +53,8 @@ def solve_least_squares(residual_fn, x0, args=(), **options):
     ...     tape.watch(y)
     ...     x, _ = solve_least_squares(lambda p, y: p[0] * tf.exp(-p[1] * t) - y,
     ...                                [1.0, 0.1], args=(y,))
-    >>> tape.gradient(x[1], y).shape  # how the fitted rate moves with each y_i
+    ...     rate = x[1]  # taken under the tape, so the tape records it
+    >>> tape.gradient(rate, y).shape  # how the fitted rate moves with each y_i
     TensorShape([4])
     """
     if not callable(residual_fn):
@@ -71,15 +75,30 @@ def solve_least_squares(residual_fn, x0, args=(), **options):
         floats = [a.dtype for a in args if a.dtype.is_floating]
         x0 = tf.cast(x0, floats[0] if floats else tf.float32)
     robust = RobustLoss(options.get("loss", "linear"), options.get("f_scale", 1.0))
-    var = _variable_like(x0)
-    var.assign(x0)
-    fixed = [tf.stop_gradient(a) for a in args]
-    # Each call solves in a new variable over new tensors: a cached solve
-    # could never be found again, so none is stored (unless asked).
-    options.setdefault("cache", False)
-    result = least_squares(lambda: residual_fn(var, *fixed), [var], **options)
-    with tf.control_dependencies([result.cost]):
-        solution = tf.identity(var.read_value())
+    if tf.executing_eagerly():
+        # Eagerly the solve runs in scratch variables kept per shape and dtype
+        # (x and each of ``args``), so a repeated call with the same
+        # ``residual_fn`` and shapes finds its compiled solve in
+        # `solve_cache.SOLVES` (only the variables' values change) instead of
+        # tracing it anew; the lock keeps threads off each other's scratch.
+        with _EAGER_LOCK:
+            var = _scratch(x0, "x")
+            var.assign(x0)
+            held = [_scratch(a, i) for i, a in enumerate(args)]
+            for v, a in zip(held, args):
+                v.assign(a)
+            result = least_squares(lambda: residual_fn(var, *held), [var], **options)
+            solution = tf.identity(var.read_value())
+    else:
+        var = _variable_like(x0)
+        var.assign(x0)
+        fixed = [tf.stop_gradient(a) for a in args]
+        # In a graph the solve captures this trace's tensors: a cached solve
+        # could never be found again, so none is stored (unless asked).
+        options.setdefault("cache", False)
+        result = least_squares(lambda: residual_fn(var, *fixed), [var], **options)
+        with tf.control_dependencies([result.cost]):
+            solution = tf.identity(var.read_value())
 
     def cost(x, *theta):
         f = tf.cast(tf.reshape(residual_fn(x, *theta), [-1]), x.dtype)
@@ -94,6 +113,17 @@ def solve_least_squares(residual_fn, x0, args=(), **options):
         return tf.identity(x), grad
 
     return attach(solution, *args), result
+
+
+def _scratch(value, role):
+    """The eager scratch variable of ``role`` ("x" or the index in ``args``)
+    for ``value``'s shape and dtype (made on first use, then kept: its
+    identity is part of the cached solve's key)."""
+    key = ("eager", role, tuple(value.shape.as_list()), value.dtype)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = tf.Variable(tf.zeros(key[2], key[3]), trainable=False,
+                                    name="solve_least_squares_scratch")
+    return _SCRATCH[key]
 
 
 def _variable_like(x0):
