@@ -20,8 +20,8 @@ from tf_gradkit.core.masks import Masks
 
 _WHO = "MaskAware"
 # Where pruned models come from, and what works in either flavour.
-_TFMOT = ("tfmot (whose pruned models give MaskAware their masks) prunes only tf_keras "
-          "models: build those with `import tf_keras` (or set TF_USE_LEGACY_KERAS=1 "
+_TFMOT = ("tfmot prunes only tf_keras models (its pruned models give MaskAware their "
+          "masks): build those with `import tf_keras` (or set TF_USE_LEGACY_KERAS=1 "
           "before importing TensorFlow so that `tf.keras` is tf_keras) and wrap them "
           "with `tfmot.sparsity.keras.prune_low_magnitude`. Explicit `masks=` and "
           "MagnitudePruning (masks as optimizer state) work in either flavour.")
