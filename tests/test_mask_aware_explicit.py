@@ -66,6 +66,7 @@ def test_fit_keeps_pruned_weights_and_slots_zero_every_step(K, gk, inner, mode):
     assert np.count_nonzero(moved) == int(mask.sum())
 
 
+@pytest.mark.parametrize("mode", ["eager", "jit"])  # tf.function: the fit test's
 def test_custom_loop_equals_masking_by_hand(K, gk, mode):
     x, y = (tf.constant(a) for a in regression_data(n=32))
     ours_model, ref_model = mlp(K, hidden=8), mlp(K, hidden=8)
