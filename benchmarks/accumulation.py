@@ -46,6 +46,8 @@ import time
 import traceback
 from concurrent import futures
 
+from timing import spread, write_result  # benchmarks/timing.py
+
 STEPS = 4  # micro-batches per window, for every accumulating contender
 BATCH = 64
 VOCAB = 50_000
@@ -198,7 +200,7 @@ def worker_timing(args):
                     _timed_fit(model, ds, 2 * STEPS, timer_cls)
                     live[contender] = (model, row)
                     repeats[contender], batches[contender] = [], []
-                except Exception as exc:  # reported, never hidden
+                except Exception as exc:  # noqa: BLE001 - reported, never hidden
                     row["error"] = _error_text(exc)
                     row["traceback"] = traceback.format_exc()
             order = list(live)
@@ -209,7 +211,7 @@ def worker_timing(args):
                     try:
                         per_step, per_batch = _timed_fit(
                             model, ds, args.steps, timer_cls)
-                    except Exception as exc:
+                    except Exception as exc:  # noqa: BLE001
                         row["error"] = _error_text(exc)
                         row["traceback"] = traceback.format_exc()
                         continue
@@ -261,7 +263,7 @@ def worker_memory(args):
         peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         row["rss_mb"] = (peak_kb - base_kb) / 1024
         row["state_mb"] = _state_bytes(model) / 2**20
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001
         row["error"] = _error_text(exc)
         row["traceback"] = traceback.format_exc()
     print(RESULT_TAG + json.dumps(row), flush=True)
@@ -408,7 +410,7 @@ def worker_distributed(args):
                     iterator = iter(strategy.experimental_distribute_dataset(ds))
                     graph_def = fn.get_concrete_function(iterator).graph.as_graph_def()
                     row.update(_reduce_ops_in_graph(graph_def))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001
                 row["error"] = _error_text(exc)
                 row["traceback"] = traceback.format_exc()
     print(RESULT_TAG + json.dumps(rows), flush=True)
@@ -439,8 +441,7 @@ def _ratio_stats(row, plain):
     """Median (and range) of per-repeat ratios, paired by repeat index."""
     if not plain or "repeats_ms" not in row or "repeats_ms" not in plain:
         return None, None, None
-    ratios = [a / b for a, b in zip(row["repeats_ms"], plain["repeats_ms"])]
-    return statistics.median(ratios), min(ratios), max(ratios)
+    return spread(a / b for a, b in zip(row["repeats_ms"], plain["repeats_ms"]))
 
 
 def main_table(rows, memory):
@@ -555,7 +556,7 @@ def parent(args):
     flavours = ["keras3"] if quick or args.no_tf_keras else ["keras3", "tf_keras"]
     common = ["--modes", ",".join(modes), "--steps", str(steps),
               "--repeats", str(repeats)]
-    log = lambda msg: print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)
+    log = lambda msg: print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)  # noqa: E731
 
     rows = []
     for flavour in flavours:
@@ -646,10 +647,7 @@ def parent(args):
     for r in failures:
         print(f"\n--- traceback: gradkit {r.get('flavour')} {r.get('model')} "
               f"{r.get('mode')} ---\n{r['traceback']}")
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    path = os.path.join(HERE, "results", "accumulation.md")
-    with open(path, "w") as f:
-        f.write(report + "\n")
+    path = write_result("accumulation.md", report)
     print(f"\nwritten to {os.path.relpath(path)}")
 
 

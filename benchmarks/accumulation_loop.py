@@ -30,6 +30,7 @@ import statistics
 import time
 
 import accumulation as fit_bench  # the same models, data and worker plumbing
+from timing import write_result  # benchmarks/timing.py
 
 STEPS = fit_bench.STEPS
 CONTENDERS = ("plain", "gradkit", "keras", "open", "closing")
@@ -86,7 +87,7 @@ def worker(args):
                     loss = step(*batches[i % STEPS])
                 float(loss)
                 live[contender] = (step, row, [])
-            except Exception as exc:  # reported, never hidden
+            except Exception as exc:  # noqa: BLE001 - reported, never hidden
                 row["error"] = fit_bench._error_text(exc)
         order = list(live)
         for r in range(args.repeats):
@@ -169,10 +170,7 @@ def parent(args):
     ])
     print()
     print(report)
-    os.makedirs(os.path.join(fit_bench.HERE, "results"), exist_ok=True)
-    path = os.path.join(fit_bench.HERE, "results", "accumulation_loop.md")
-    with open(path, "w") as f:
-        f.write(report + "\n")
+    path = write_result("accumulation_loop.md", report)
     print(f"\nwritten to {os.path.relpath(path)}")
 
 

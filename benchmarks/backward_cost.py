@@ -14,10 +14,10 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
-from tf_gradkit.gradients.cost import backward_cost  # noqa: E402
-import plotting  # noqa: E402  (benchmarks/plotting.py)
+from tf_gradkit.gradients.cost import backward_cost
+import plotting
 
 K = tf.keras
 

@@ -28,7 +28,7 @@ import scipy.optimize as so
 import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import tf_gradkit  # noqa: E402
+import tf_gradkit
 
 GPUFIT_GPU = 3_038_590   # fits/s, Gpufit on its GPU at 10^7 fits (published)
 CPUFIT = 60_957          # fits/s, Cpufit (its CPU twin) at 10^7 fits (published)
@@ -263,7 +263,7 @@ def latency(args, rng, rows):
 
 def plot(rows, path):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import plotting  # noqa: PLC0415
+    import plotting
     plt = plotting.pyplot()
     if plt is None:
         return

@@ -137,7 +137,7 @@ def run_flavour(args):
                 fns[v] = make_sparse(v, mode)
                 for _ in range(3):
                     fns[v]()
-            except Exception as e:  # tf_keras's optimizer refuses constraints on sparse updates
+            except Exception as e:  # noqa: BLE001 - tf_keras's optimizer refuses constraints on sparse updates
                 fns[v] = None
                 print(f"<!-- {v} under {mode}: {type(e).__name__}: {str(e)[:120]} -->")
         times = {v: [] for v in fns}
@@ -151,8 +151,8 @@ def run_flavour(args):
                 float(loss)
                 times[v].append((time.perf_counter() - t0) / steps * 1e3)
         med = {v: (float(np.median(t)) if t else float("nan")) for v, t in times.items()}
-        fmt = lambda v: "raises" if fns[v] is None else f"{med[v]:.2f}"
-        ratio = lambda v: "-" if fns[v] is None else f"{med[v] / med['none']:.2f}"
+        fmt = lambda v: "raises" if fns[v] is None else f"{med[v]:.2f}"  # noqa: E731
+        ratio = lambda v: "-" if fns[v] is None else f"{med[v] / med['none']:.2f}"  # noqa: E731
         print(f"| {mode} | {fmt('none')} | {fmt('keras')} | {fmt('projected')} "
               f"| {ratio('keras')} | {ratio('projected')} |")
 

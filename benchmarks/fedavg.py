@@ -22,12 +22,12 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import tensorflow as tf
 
-import tf_gradkit  # noqa: E402
-from tf_gradkit.gradients import weighted_average  # noqa: E402
-import plotting  # noqa: E402  (benchmarks/plotting.py)
+import tf_gradkit
+from tf_gradkit.gradients import weighted_average
+import plotting
 
 SIZES = (10, 20, 40, 80, 850)
 ROUNDS = 500

@@ -39,12 +39,13 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-from tf_gradkit.core import projections  # noqa: E402
-from tf_gradkit.keras3 import ConditionalGradient  # noqa: E402
+from tf_gradkit.core import projections
+from tf_gradkit.keras3 import ConditionalGradient
+from timing import spread, write_result
 
 LR = 0.1
 RADIUS = 10.0
@@ -109,11 +110,12 @@ def bench(n, mode, repeats, target):
         for name, (step, var) in contenders.items():       # interleaved
             per_step[name].append(run_steps(step, var, counts[name]))
     ratios = [p / f for p, f in zip(per_step["pgd"], per_step["fw"])]
+    ratio, lo, hi = spread(ratios)
     return {
         "n": n, "mode": mode,
         "fw_ms": 1e3 * statistics.median(per_step["fw"]),
         "pgd_ms": 1e3 * statistics.median(per_step["pgd"]),
-        "ratio": statistics.median(ratios), "lo": min(ratios), "hi": max(ratios),
+        "ratio": ratio, "lo": lo, "hi": hi,
         "warm_fw": warmup["fw"], "warm_pgd": warmup["pgd"],
         "repeats": len(ratios),
     }
@@ -153,10 +155,7 @@ def main():
             f"{r['warm_fw']:.2f} / {r['warm_pgd']:.2f} | {r['repeats']} |")
     table = "\n".join(lines)
     print(table)
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "frank_wolfe.md"), "w", encoding="utf-8") as f:
-        f.write(table + "\n")
+    write_result("frank_wolfe.md", table)
 
 
 if __name__ == "__main__":

@@ -10,27 +10,16 @@ Run: ``.venv/bin/python benchmarks/jacobian_modes.py`` (about a minute).
 """
 
 import os
-import statistics
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
-from tf_gradkit.gradients import jacobian  # noqa: E402
-import plotting  # noqa: E402  (benchmarks/plotting.py)
+from tf_gradkit.gradients import jacobian
+import plotting
+from timing import median_ms
 
 P = 512
-
-
-def median_ms(fn, repeats=20):
-    fn().numpy()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn().numpy()
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
 
 
 def main():
@@ -41,7 +30,7 @@ def main():
     print("|---:|---:|---:|---:|---|")
     for n in (8, 64, 512, 4096):
         w = tf.random.normal([n, P]) / P ** 0.5
-        fn = lambda: tf.tanh(tf.linalg.matvec(w, x))  # noqa: E731,B023
+        fn = lambda: tf.tanh(tf.linalg.matvec(w, x))  # noqa: E731
         times = {mode: median_ms(tf.function(lambda mode=mode: jacobian(fn, x, mode=mode),
                                              jit_compile=True))
                  for mode in ("forward", "reverse", "auto")}

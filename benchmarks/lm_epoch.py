@@ -27,27 +27,19 @@ Run: ``.venv/bin/python benchmarks/lm_epoch.py`` (about a minute);
 
 import argparse
 import os
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import tensorflow as tf
 
-import tf_gradkit  # noqa: E402
+import tf_gradkit
+import timing
 
 K = tf.keras
 
 
-class EpochTimer(K.callbacks.Callback):
-    def on_train_begin(self, logs=None):
-        self.times = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.times.append(time.perf_counter() - self._start)
+EpochTimer = timing.epoch_timer_class(K.callbacks.Callback)
 
 
 def run(name, epochs, steps_per_execution, x, y):
@@ -104,14 +96,8 @@ def parts(x, y):
         "one trial (forward, cost)": lambda: tf.reduce_sum(tf.square(residuals())),
     }
     for name, fn in pieces.items():
-        compiled = tf.function(fn, jit_compile=True)
-        compiled()
-        times = []
-        for _ in range(300):
-            t0 = time.perf_counter()
-            tf.nest.map_structure(lambda t: t.numpy(), compiled())
-            times.append(time.perf_counter() - t0)
-        print(f"  {name:28s} {np.median(times) * 1e3:6.3f} ms", flush=True)
+        ms = timing.median_ms(tf.function(fn, jit_compile=True), repeats=300)
+        print(f"  {name:28s} {ms:6.3f} ms", flush=True)
 
 
 def main():

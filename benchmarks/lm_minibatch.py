@@ -21,15 +21,15 @@ cores; ``--seeds 1`` for a quick look). Needs scikit-learn (``.[bench]``).
 
 import argparse
 import os
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from sklearn.datasets import load_diabetes  # noqa: E402
+import numpy as np
+import tensorflow as tf
+from sklearn.datasets import load_diabetes
 
-import tf_gradkit  # noqa: E402
+import tf_gradkit
+import timing
 
 K = tf.keras
 
@@ -41,15 +41,7 @@ def data():
     return x, y
 
 
-class EpochTimer(K.callbacks.Callback):
-    def on_train_begin(self, logs=None):
-        self.times = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.times.append(time.perf_counter() - self._start)
+EpochTimer = timing.epoch_timer_class(K.callbacks.Callback)
 
 
 def run(kind, batch, epochs, seed, x, y):

@@ -48,7 +48,7 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # this script only, before TF loads
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -349,7 +349,7 @@ def paired_text(ratios):
     text = (f"XLA's higher in {sum(x > 0 for x in logs)}/{len(logs)} seeds, mean "
             f"log10(XLA / no XLA) {statistics.mean(logs):+.2f}")
     try:
-        from scipy.stats import wilcoxon  # noqa: PLC0415 - optional (test extra)
+        from scipy.stats import wilcoxon
     except ImportError:
         return text + " (install scipy for a paired Wilcoxon test)"
     if len(logs) < 6:
@@ -486,7 +486,7 @@ def main():
                                                budget_seconds=results["ours-jit"]["train_s"])
                 else:
                     results[name] = run_keras3(name, seed, epochs, weights)
-            except Exception as exc:  # report and keep going
+            except Exception as exc:  # noqa: BLE001 - report and keep going
                 import traceback
                 results[name] = {"name": name, "error": traceback.format_exc()}
                 print(f"  crashed: {exc!r}", flush=True)

@@ -35,13 +35,13 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # this script only, before TF loads
 
-import numpy as np  # noqa: E402
-import scipy.optimize as so  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import scipy.optimize as so
+import tensorflow as tf
 
-import tf_gradkit  # noqa: E402
+import tf_gradkit
+from timing import spread, write_result
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 START = (1.0, 1.0, 0.0)
 
 
@@ -91,10 +91,6 @@ def timed(fn, calls=1):
 def check(name, x, reference):
     if not np.allclose(x, reference, rtol=1e-6, atol=1e-9):
         raise AssertionError(f"{name}: {x} differs from scipy's {reference}")
-
-
-def summary(values):
-    return statistics.median(values), min(values), max(values)
 
 
 def main():
@@ -154,16 +150,14 @@ def main():
         baseline = (scipy_walls if name not in ("first", "first XLA")
                     else [w for w, _ in rows[name + " scipy"]])
         ratios = [w / b for w, b in zip(walls, baseline)]
-        med, lo, hi = summary(walls)
-        r_med, r_lo, r_hi = summary(ratios)
+        med, lo, hi = spread(walls)
+        r_med, r_lo, r_hi = spread(ratios)
         lines.append(f"| {name} | {1e3 * med:.2f} [{1e3 * lo:.2f}-{1e3 * hi:.2f}] | "
                      f"{1e3 * statistics.median(cpus):.2f} | "
                      f"{r_med:.2f}x [{r_lo:.2f}-{r_hi:.2f}] |")
     text = "\n".join(lines)
     print(text)
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "lsq_latency.md"), "w") as f:
-        f.write(text + "\n")
+    write_result("lsq_latency.md", text)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import resource
 import subprocess
 import sys
 import time
-import plotting  # noqa: E402  (benchmarks/plotting.py)
+import plotting
 
 METHODS = ("loop", "vectorised", "ghost")
 # The model's layers: (name, rows T per example, input width d, output width p).
@@ -54,10 +54,10 @@ def analytic_mb(method, batch):
 
 def measure(method, batch):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    import numpy as np  # noqa: PLC0415
-    import tensorflow as tf  # noqa: PLC0415
+    import numpy as np
+    import tensorflow as tf
 
-    from tf_gradkit.gradients import per_example_gradient_norms, per_example_gradients  # noqa: PLC0415
+    from tf_gradkit.gradients import per_example_gradient_norms, per_example_gradients
     K = tf.keras
     K.utils.set_random_seed(0)
     model = K.Sequential([K.Input((28, 28, 1)), K.layers.Conv2D(16, 3, activation="relu"),

@@ -9,12 +9,12 @@ def pyplot():
     """``matplotlib.pyplot`` on the Agg backend, or None (saying so) when
     matplotlib is not installed (``pip install -e ".[bench]"``)."""
     try:
-        import matplotlib  # noqa: PLC0415
+        import matplotlib
     except ImportError:
         print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
         return None
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
     return plt
 
 

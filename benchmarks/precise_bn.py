@@ -18,12 +18,12 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+import numpy as np
+import tensorflow as tf
+from sklearn.datasets import load_digits
 
-from tf_gradkit.gradients import recompute_batch_norm_statistics  # noqa: E402
-import plotting  # noqa: E402  (benchmarks/plotting.py)
+from tf_gradkit.gradients import recompute_batch_norm_statistics
+import plotting
 
 K = tf.keras
 

@@ -38,12 +38,12 @@ import time
 os.environ["TF_USE_LEGACY_KERAS"] = "1"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-import tensorflow_model_optimization as tfmot  # noqa: E402
-import tf_keras  # noqa: E402
+import numpy as np
+import tensorflow as tf
+import tensorflow_model_optimization as tfmot
+import tf_keras
 
-from tf_gradkit import pruning  # noqa: E402
+from tf_gradkit import pruning
 
 BATCH = 64
 MODELS = ("mlp", "cnn")

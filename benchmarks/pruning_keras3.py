@@ -31,7 +31,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 if "--tfmot-worker" in sys.argv:
     os.environ["TF_USE_LEGACY_KERAS"] = "1"
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 BATCH = 64
 SPARSITY = 0.8

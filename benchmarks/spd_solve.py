@@ -28,9 +28,10 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # this script only, before TF loads
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from timing import spread_text as spread, write_result
+
 INNER = 20  # solves per timed call
 
 
@@ -91,9 +92,6 @@ def main():
                  for k in ("library", "no-XLA")}
         rows.append((n, {k: statistics.median(v) for k, v in times.items()}, ratio, errors))
 
-    def spread(values):
-        return f"{statistics.median(values):.3g} [{min(values):.3g}-{max(values):.3g}]"
-
     lines = ["# Positive definite solve: spd loop vs XLA's Cholesky vs TensorFlow without XLA",
              "", f"TensorFlow {tf.__version__}, {os.cpu_count()} CPUs, load {load:.1f} at "
              f"start, {os.getloadavg()[0]:.1f} at end; float32; ms per solve (median of "
@@ -109,9 +107,7 @@ def main():
                      f"{err['no-XLA']:.1e} |")
     text = "\n".join(lines)
     print(text)
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "spd_solve.md"), "w") as f:
-        f.write(text + "\n")
+    write_result("spd_solve.md", text)
 
 
 if __name__ == "__main__":

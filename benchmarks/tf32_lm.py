@@ -34,7 +34,7 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -84,8 +84,8 @@ def variant(name):
 
 
 def sinc(epochs, seed):
-    import keras  # noqa: PLC0415
-    import lm_sinc  # noqa: PLC0415
+    import keras
+    import lm_sinc
 
     keras.utils.set_random_seed(seed)
     weights = lm_sinc.build_keras3_model().get_weights()
@@ -102,7 +102,7 @@ def sinc(epochs, seed):
 
 
 def nist():
-    from nist_problems import PROBLEMS, lre  # noqa: PLC0415
+    from nist_problems import PROBLEMS, lre
 
     rows = []
     for problem in PROBLEMS.values():

@@ -18,12 +18,13 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+import numpy as np
+import tensorflow as tf
+from sklearn.datasets import load_digits
 
-import tf_gradkit  # noqa: E402
-import plotting  # noqa: E402  (benchmarks/plotting.py)
+import tf_gradkit
+import plotting
+import timing
 
 K = tf.keras
 # The process's CPU time (all its threads) instead of wall time: on a
@@ -47,16 +48,8 @@ def model():
     return m
 
 
-class EpochTimer(K.callbacks.Callback):
-    def on_train_begin(self, logs=None):
-        self.times = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.start = time.process_time() if CPU_TIME else time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        now = time.process_time() if CPU_TIME else time.perf_counter()
-        self.times.append(now - self.start)
+EpochTimer = timing.epoch_timer_class(
+    K.callbacks.Callback, clock=time.process_time if CPU_TIME else time.perf_counter)
 
 
 def epoch_ms(x, y, monitor):

@@ -24,9 +24,9 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TF loads: quiet logs
 
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
-from tf_gradkit import ConditionalAccumulator  # noqa: E402
+from tf_gradkit import ConditionalAccumulator
 
 NUM_REQUIRED = 2
 LEARNING_RATE = 0.5

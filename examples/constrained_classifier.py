@@ -70,8 +70,8 @@ def main():
         print(f"epoch {epoch + 1:2d}  loss {logs['loss'][epoch]:.4f}  accuracy "
               f"{logs['accuracy'][epoch]:.3f}  lagrange_violation "
               f"{logs['lagrange_violation'][epoch]:.2e}  penalty {logs['penalty'][epoch]:g}")
-    sq_norm = lambda m: float(np.sum(np.square(m.layers[0].kernel.numpy())))
-    accuracy = lambda m: float(np.mean(np.argmax(m.predict(x_test, verbose=0), -1) == y_test))
+    sq_norm = lambda m: float(np.sum(np.square(m.layers[0].kernel.numpy())))  # noqa: E731
+    accuracy = lambda m: float(np.mean(np.argmax(m.predict(x_test, verbose=0), -1) == y_test))  # noqa: E731
     violation = sq_norm(model) - BUDGET
     metrics = optimizer.metrics()
     print(f"flavour: {'tf_keras' if os.environ.get('TF_USE_LEGACY_KERAS') in ('1', 'true', 'True') else 'Keras 3'}")

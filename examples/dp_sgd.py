@@ -27,11 +27,11 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import tensorflow as tf
 
-import tf_gradkit  # noqa: E402
-from tf_gradkit.gradients import per_example_gradient_norms, per_example_gradients  # noqa: E402
+import tf_gradkit
+from tf_gradkit.gradients import per_example_gradient_norms, per_example_gradients
 
 K = tf.keras
 CLIP, SIGMA, MICRO, WINDOW, EPOCHS = 1.0, 0.8, 64, 4, 8

@@ -21,10 +21,10 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import tensorflow as tf
 
-import tf_gradkit  # noqa: E402
+import tf_gradkit
 
 K = tf.keras
 

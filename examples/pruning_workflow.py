@@ -22,12 +22,12 @@ import os
 
 os.environ["TF_USE_LEGACY_KERAS"] = "1"
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-import tensorflow_model_optimization as tfmot  # noqa: E402
-import tf_keras  # noqa: E402
+import numpy as np
+import tensorflow as tf
+import tensorflow_model_optimization as tfmot
+import tf_keras
 
-from tf_gradkit import pruning  # noqa: E402
+from tf_gradkit import pruning
 
 STEPS = 1037  # 10 epochs of 100 batches and 37 batches into the 11th
 BATCH = 40

@@ -36,7 +36,7 @@ def keras_module():
 
 
 @pytest.fixture(scope="session")
-def K():
+def K():  # noqa: N802
     return keras_module()
 
 

@@ -89,7 +89,7 @@ def _state(model, opt):
 
 
 def test_nonfinite_raise_leaves_no_trace(K, gk, mode):
-    from helpers import make_train_step
+    from helpers import make_train_step  # noqa: PLC0415
 
     x, y = regression_data()
     model = mlp(K)

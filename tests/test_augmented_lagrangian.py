@@ -320,7 +320,7 @@ def test_mirrored_strategy_fit_equals_single_device(K, gk, mirrored):
     """Constraints on variables: replicas take the identical step. Output
     constraints are evaluated on each replica's share of the batch (a
     per-batch estimate, like the loss), so there we check the end result."""
-    import tf_gradkit
+    import tf_gradkit  # noqa: PLC0415
 
     rng = np.random.RandomState(0)
     x = rng.randn(128, 3).astype("float32")

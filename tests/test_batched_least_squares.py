@@ -68,7 +68,7 @@ def problems(batch, n_max, seed, dtype=np.float64, ragged=True):
         mask[b, :n] = True
     p0 = np.clip(truth * (1 + 0.3 * rng.normal(size=truth.shape)),
                  LOWER + 0.05, UPPER - 0.05)
-    cast = (lambda a: a.astype(dtype))
+    cast = (lambda a: a.astype(dtype))  # noqa: E731
     return cast(t), cast(y), cast(sigma), mask, cast(p0), lengths
 
 

@@ -78,7 +78,7 @@ def test_core_oracles_match_numpy_and_are_optimal(mode):
     run = compile_fn(lambda g: (fw.lmo_frobenius(g, r), fw.lmo_l1(g, r),
                                 fw.lmo_linf(g, r), fw.lmo_k_sparse(g, r, 3)), mode)
     fro, l1, linf, ks = [t.numpy() for t in run(tf.constant(g))]
-    for got, ord in ((fro, "fro"), (l1, "l1"), (linf, "linf"), (ks, "k_sparse")):
+    for got, ord in ((fro, "fro"), (l1, "l1"), (linf, "linf"), (ks, "k_sparse")):  # noqa: A001
         np.testing.assert_allclose(got, _vertex_np(g, r, ord, k=3), atol=TOL)
     # Each vertex attains -r * (dual norm of g): the minimum of <g, z> over the set.
     a = np.abs(g.ravel())
@@ -193,7 +193,7 @@ def test_tensorflow_addons_formula(K, gk):
     lr_tfa, lam, eps = 0.8, 0.7, 1e-7
     g = _matrix_with_gap(4, 5, seed=2).astype("float32")
     u, _, vt = np.linalg.svd(g)
-    for ord, s in (("fro", g / (np.linalg.norm(g) + eps)),
+    for ord, s in (("fro", g / (np.linalg.norm(g) + eps)),  # noqa: A001
                    ("nuclear", np.outer(u[:, 0], vt[0]))):
         layer = _layer(K, "dense")
         w0 = layer.kernel.numpy()

@@ -620,7 +620,7 @@ def test_mismatched_gradients_raise_and_change_nothing(K, gk):
 
 # ------------------------------------------------------------ packaging
 def test_public_names_resolve_to_the_active_flavour(gk):
-    import tf_gradkit
+    import tf_gradkit  # noqa: PLC0415
     assert tf_gradkit.optimizers.GradientAccumulator is gk.GradientAccumulator
 
 

@@ -132,7 +132,7 @@ def _own_names():
     own = set()
     for path in glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True):
         in_hosts = os.sep + "_hosts" + os.sep in path
-        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):  # noqa: SIM115
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
                 own.add(node.name)
             if isinstance(node, ast.ClassDef):
@@ -174,7 +174,7 @@ def test_no_private_keras_member_is_read_outside_the_hosts():
         if parts[1] in ("_hosts", "keras3", "tf_keras"):  # the flavours' own code
             continue
         in_core = parts[1] == "core"
-        tree = ast.parse(open(path, encoding="utf-8").read())
+        tree = ast.parse(open(path, encoding="utf-8").read())  # noqa: SIM115
         for line, name in _private_reads(tree):
             if name.startswith("import "):
                 bad = re.match(r"import (keras|tf_keras)\.src\b", name) or (
@@ -209,6 +209,36 @@ def test_the_flavour_count_is_the_one_the_architecture_states():
     hosts = [p for p in glob.glob(os.path.join(PACKAGE, "_hosts", "*.py"))
              if os.path.basename(p) not in ("__init__.py", "protocol.py")]
     assert sorted(os.path.basename(p)[:-3] for p in hosts) == sorted(_flavour.KERAS_MODULES)
+    packages = [os.path.basename(os.path.dirname(p))
+                for p in glob.glob(os.path.join(PACKAGE, "*", "__init__.py"))]
+    flavour_packages = sorted(p for p in packages if os.path.exists(
+        os.path.join(PACKAGE, "_hosts", p + ".py")))
+    assert flavour_packages == sorted(_flavour.KERAS_MODULES)
+
+
+def _flavour_package_files(flavour):
+    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(PACKAGE, flavour, "*.py")))
+
+
+def test_a_new_flavours_cost_is_the_one_the_architecture_states():
+    """docs/architecture.md's "a Keras flavour: N package files": a host
+    module, the flavour package's files (the same in every flavour), and the
+    two files that list the flavours (`_flavour.py`, `tf_gradkit/__init__.py`)."""
+    with open(os.path.join(ROOT, "docs", "architecture.md"), encoding="utf-8") as f:
+        text = f.read()
+    stated = re.search(r"\*\*a Keras flavour\*\*: (\d+) package files", text)
+    assert stated, "docs/architecture.md states what a new flavour costs"
+    files = {f: _flavour_package_files(f) for f in _flavour.KERAS_MODULES}
+    first = next(iter(files.values()))
+    assert all(v == first for v in files.values()), files
+    listing = []
+    for name in ("_flavour.py", "__init__.py"):
+        with open(os.path.join(PACKAGE, name), encoding="utf-8") as f:
+            source = f.read()
+        if all(f'"{flavour}"' in source for flavour in _flavour.KERAS_MODULES):
+            listing.append(name)
+    assert listing == ["_flavour.py", "__init__.py"], listing
+    assert int(stated.group(1)) == 1 + len(first) + len(listing), (stated.group(0), first)
 
 
 def _tf_gradkit_classes(optimizer):

@@ -366,7 +366,7 @@ def test_mixed_precision_model_trains_with_float32_solve(K, gk):
 def test_multi_output_residuals_match_the_compiled_loss(K, gk):
     # 0.5 |r|^2 must be 0.5 * batch * (Keras's loss) with loss_weights and
     # sample weights, so LM minimises exactly what fit reports.
-    from tf_gradkit._algorithms import lm_losses
+    from tf_gradkit._algorithms import lm_losses  # noqa: PLC0415
     inputs = K.Input((3,))
     model = K.Model(inputs, {"a": K.layers.Dense(1, name="a")(inputs),
                              "b": K.layers.Dense(2, name="b")(inputs)})
@@ -390,7 +390,7 @@ def test_multi_output_residuals_match_the_compiled_loss(K, gk):
 
 def test_matrix_free_cg_step_equals_cholesky_step(mode):
     # One LM iteration: CG run to a tight tolerance gives the Cholesky step.
-    from tf_gradkit._algorithms import levenberg_marquardt as lm_algorithm
+    from tf_gradkit._algorithms import levenberg_marquardt as lm_algorithm  # noqa: PLC0415
     rng = np.random.RandomState(0)
     x = tf.constant(np.linspace(0, 1, 12))
     y = tf.constant(rng.randn(12))
@@ -532,7 +532,7 @@ def test_geodesic_acceleration_by_hand(alpha, expected):
     # r_vv = 2 v^2 = 4.5 exactly (central difference of a quadratic);
     # a = -J r_vv / J^2 = -2.25 and 2|a|/|v| = 3: kept when alpha = 4
     # (step v + a/2), replaced by the plain step v when alpha = 0.75.
-    from tf_gradkit.core.lm import geodesic
+    from tf_gradkit.core.lm import geodesic  # noqa: PLC0415
     x = tf.Variable(1.0, dtype=F64)
 
     def residual_fn():
@@ -584,7 +584,7 @@ def test_subclassed_unbuilt_model_with_steps_per_execution(K, gk):
 
 
 def test_targets_not_matching_outputs_raise(K, gk):
-    from tf_gradkit._algorithms import lm_losses
+    from tf_gradkit._algorithms import lm_losses  # noqa: PLC0415
     preds = {"a": tf.zeros([4, 1]), "b": tf.zeros([4, 2])}
     with pytest.raises(ValueError, match="2 outputs but the data has 1 targets"):
         lm_losses.mse_residuals(preds, tf.zeros([4, 1]), None, tf.float32)
@@ -724,7 +724,7 @@ def test_robust_losses_train_through_fit(K, gk, loss, mode):
 
 
 def test_huber_delta_is_read_from_the_loss(K):
-    from tf_gradkit._algorithms import lm_losses
+    from tf_gradkit._algorithms import lm_losses  # noqa: PLC0415
     assert lm_losses.robust_loss(K.losses.Huber(0.25)).f_scale == 0.25
     assert lm_losses.robust_loss("huber").f_scale == 1.0
     assert lm_losses.robust_loss("mae").name == "absolute"
@@ -765,9 +765,19 @@ def test_own_residuals_equal_the_compiled_mse(K, gk, mode):
                                                       linearization="autodiff"),
                       loss="mse", run_eagerly=mode == "eager",
                       jit_compile=mode == "jit")
-        model.fit(x, y, batch_size=200, epochs=5, verbose=0)
+        with float32_matmuls():
+            model.fit(x, y, batch_size=200, epochs=5, verbose=0)
         weights.append([w.numpy() for w in model.trainable_variables])
-    assert max_abs_diff(weights[0], weights[1]) == 0
+    if mode == "jit" and tf.config.list_physical_devices("GPU"):
+        # XLA on a GPU fuses the two programs (the built-in residual and the
+        # lambda) differently, so their float32 sums round differently: an
+        # H200 gave 1.2e-7 (Keras 3) and 4.2e-6 (tf_keras) on weights up to 16
+        # after 25 steps. A wrong residual (sign, scale, weighting) moves the
+        # weights by O(0.1) or more; 1e-5 of the largest weight separates them.
+        scale = float(np.max(np.abs(np.concatenate([w.ravel() for w in weights[0]]))))
+        assert max_abs_diff(weights[0], weights[1]) <= 1e-5 * scale
+    else:  # on a CPU: the same float32 operations in the same order
+        assert max_abs_diff(weights[0], weights[1]) == 0
 
 
 def test_own_residuals_in_a_saved_model(K, gk, tmp_path):

@@ -187,7 +187,7 @@ def test_default_least_squares_solves_far_starts(name, factor):
 
 
 def test_tolerance_stop_far_from_a_minimum_is_reported_not_converged():
-    from tf_gradkit.core.lm.least_squares import REASONS
+    from tf_gradkit.core.lm.least_squares import REASONS  # noqa: PLC0415
     x = tf.Variable([3.0], dtype=F64)
 
     def residual_fn():

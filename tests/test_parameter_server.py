@@ -46,7 +46,7 @@ def _run(tmp_path, scenario, timeout=180):
     result = tmp_path / f"{scenario}.json"
     if code != 0 or not result.exists():
         raise AssertionError(f"{scenario}: exit {code}\n" + "".join(
-            open(log).readlines()[-40:]))
+            open(log).readlines()[-40:]))  # noqa: SIM115
     return json.loads(result.read_text())
 
 

@@ -248,7 +248,7 @@ def test_loss_scale_optimizer_inner(K, gk):
 @pytest.mark.distributed
 def test_mirrored_strategy_fit_equals_single_device(K, gk, mirrored):
     x, y = data(n=32)
-    spec = lambda: {"hid/kernel": C.NonNeg(), "out/kernel": C.UnitNorm(axis=0)}
+    spec = lambda: {"hid/kernel": C.NonNeg(), "out/kernel": C.UnitNorm(axis=0)}  # noqa: E731
     ref = named_mlp(K)
     ref.compile(optimizer=gk.Projected(K.optimizers.Adam(0.05), spec()), loss="mse")
     ref.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)

@@ -20,7 +20,7 @@ if FLAVOUR != "tf_keras":
     pytest.skip("tfmot prunes tf_keras models only (run with TF_USE_LEGACY_KERAS=1)",
                 allow_module_level=True)
 
-import tf_keras  # noqa: E402
+import tf_keras
 
 tfmot = pytest.importorskip("tensorflow_model_optimization")
 sparsity = tfmot.sparsity.keras
@@ -423,7 +423,7 @@ def test_masks_are_handed_down_to_inner_optimizers_that_use_them():
 
 # ------------------------------------------------------------------- errors
 def test_errors_name_the_argument():
-    import keras  # Keras 3, for the errors only
+    import keras  # noqa: PLC0415 - Keras 3, for the errors only
 
     model = _pruned_mlp()
     keras3_model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])

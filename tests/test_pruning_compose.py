@@ -12,7 +12,7 @@ if FLAVOUR != "tf_keras":
     pytest.skip("tfmot prunes tf_keras models only (run with TF_USE_LEGACY_KERAS=1)",
                 allow_module_level=True)
 
-import tf_keras  # noqa: E402
+import tf_keras
 
 tfmot = pytest.importorskip("tensorflow_model_optimization")
 sparsity = tfmot.sparsity.keras

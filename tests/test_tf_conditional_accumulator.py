@@ -817,7 +817,7 @@ def test_sparse_int32_indices_and_shape(mode):
     values = np.array([[0.0, 0.0, 1.0], [3.0, 0.0, 4.0]], np.float32)
     for _ in range(2):
         tf1.apply(values, indices=[0, 2])
-    grad = lambda: tf.IndexedSlices(tf.constant(values), tf.constant([0, 2], tf.int32),
+    grad = lambda: tf.IndexedSlices(tf.constant(values), tf.constant([0, 2], tf.int32),  # noqa: E731
                                     tf.constant([3, 3], tf.int32))
     apply = compile_fn(lambda: ours.acc.apply_grad(grad()), mode)
     for _ in range(2):

@@ -53,3 +53,26 @@ def test_weight_decay_set_on_the_inner_optimizer_acts_as_alone(K, gk, wrapper):
     for a, w, p in zip(alone, fit(wrapped), plain):
         np.testing.assert_allclose(w, a, rtol=1e-6, atol=1e-7)
     assert np.max(np.abs(alone[0] - plain[0])) > 1e-3  # the decay did act
+
+
+@pytest.mark.parametrize("wrapper", ["GradientAccumulator", "Projected"])
+def test_gradient_accumulation_steps_on_a_wrapper_is_refused(K, gk, wrapper):
+    """Keras 3's ``gradient_accumulation_steps`` set on a wrapper after
+    construction changed nothing: the wrapper's update applied every batch
+    (Projected) or kept its own window (GradientAccumulator). Refused, with
+    the argument that does accumulate; the optimizer still trains as built."""
+    opt = _wrappers(K, gk)[wrapper](K.optimizers.SGD(0.1))
+    default = opt.gradient_accumulation_steps
+    opt.gradient_accumulation_steps = default  # no change: allowed
+    advice = (r"Pass `steps=4` to GradientAccumulator's constructor"
+              if wrapper == "GradientAccumulator"
+              else r".*GradientAccumulator\(Projected\(\.\.\.\), steps=4\)")
+    with pytest.raises(ValueError, match=rf"{wrapper}: `gradient_accumulation_steps`.*"
+                       rf"Received: gradient_accumulation_steps=4\. {advice}"):
+        opt.gradient_accumulation_steps = 4
+    assert opt.gradient_accumulation_steps == default
+    x = np.linspace(-1, 1, 24, dtype="float32").reshape(8, 3)
+    model = K.Sequential([K.Input((3,)), K.layers.Dense(1)])
+    model.compile(opt, "mse")
+    model.fit(x, x.sum(axis=1, keepdims=True), batch_size=4, epochs=1, verbose=0)
+    assert int(opt.iterations.numpy()) == 2  # one update per batch (steps=1)

@@ -8,8 +8,8 @@ the flavour packages make theirs when they are imported. `register_flavours`
 
 - for each Keras already imported: TensorFlow's own import imports the Keras
   that ``tf.keras`` is (``keras`` or ``tf_keras``), and tf_gradkit imports
-  TensorFlow, so that one is registered at once (0.06 to 0.1 s, against some
-  7 s for TensorFlow, measured on this project's 2-core machine);
+  TensorFlow, so that one is registered at once (its cost, measured against
+  TensorFlow's own import: docs/composing.md);
 - for a Keras imported later (tf_keras in a Keras 3 process, by tfmot say,
   or ``keras`` in a tf_keras one): right after that Keras's own module has
   run, through a finder on ``sys.meta_path`` that wraps its loader's

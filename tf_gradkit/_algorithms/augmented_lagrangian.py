@@ -195,7 +195,7 @@ class AugmentedLagrangian(Wrapper):
                         f"has no fixed shape ({c.shape}); pass shape=.")
                 shapes.append(c.shape)
             init = rule.init_augmented_lagrangian(shapes, self.initial_penalty)
-            tag = lambda i: f"{i}_{_safe(self._specs[i].name)}"
+            tag = lambda i: f"{i}_{_safe(self._specs[i].name)}"  # noqa: E731
             def make(shape, dtype, name, initial):
                 return self._new_variable(shape, dtype, name, initial, sync="first")
 

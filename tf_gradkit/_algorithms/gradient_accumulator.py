@@ -145,6 +145,7 @@ class GradientAccumulator(Wrapper):
     """
 
     accumulates_gradients = True
+    accumulation_argument = "steps"
     ACCEPTED = ("optimizer, steps, reduction, model, epoch_end, nonfinite, "
                 "sample_count, name")
     REFUSALS = {

@@ -56,6 +56,9 @@ def _forwarded(attribute):
 class Wrapper:
     """The flavour-independent half of every wrapper (see the module doc)."""
 
+    # The constructor argument of a wrapper that accumulates micro-batches
+    # itself (GradientAccumulator's ``steps``), or None.
+    accumulation_argument = None
     clipnorm = _forwarded("clipnorm")
     clipvalue = _forwarded("clipvalue")
     global_clipnorm = _forwarded("global_clipnorm")
@@ -186,12 +189,14 @@ class Wrapper:
                                           custom_objects=custom_objects)
 
 
-def _inner_only(attribute):
-    """A setting of Keras's base optimizer that only the inner optimizer
-    applies, at the real update (weight decay, EMA). The wrapper keeps what
-    Keras's base ``__init__`` sets (its defaults: the wrapper itself decays
-    and averages nothing); setting another value on the wrapper afterwards is
-    refused, naming where to set it (it used to be ignored without a word)."""
+def _refused_after_construction(attribute, advice):
+    """A setting of Keras's base optimizer that the wrapper does not apply
+    itself (weight decay, EMA: the inner optimizer applies them at the real
+    update; Keras 3's ``gradient_accumulation_steps``: the wrapper's update
+    does not accumulate). The wrapper keeps what Keras's base ``__init__``
+    sets (its defaults); setting another value on the wrapper afterwards is
+    refused, naming what to do instead (it used to be ignored without a
+    word). ``advice(wrapper, value)`` is that sentence."""
     slot = f"_base_{attribute}"
 
     def get(self):
@@ -202,18 +207,38 @@ def _inner_only(attribute):
             vars(self)[slot] = value  # Keras's base __init__, or no change
             return
         raise ValueError(
-            f"{type(self).__name__}: `{attribute}` is applied by the inner optimizer "
-            f"at the real update, not by the wrapper; setting it on the wrapper would "
-            f"change nothing. Received: {attribute}={value!r}. Set it on the inner "
-            f"optimizer: `optimizer.inner_optimizer.{attribute} = {value!r}`, or pass "
-            "it to the inner optimizer's constructor (EMA settings: before its first "
-            "step).")
+            f"{type(self).__name__}: `{attribute}` set on the wrapper would change "
+            f"nothing. Received: {attribute}={value!r}. "
+            + advice(self, value))
 
-    return property(get, set_, doc=f"Keras's default ``{attribute}`` (set it on the "
-                                   "inner optimizer).")
+    return property(get, set_, doc=f"Keras's default ``{attribute}`` (refused when "
+                                   "set: see the error for where it belongs).")
 
 
-# Set on the class here, at the end of the module (they need `_inner_only`).
+def _inner_advice(attribute):
+    def advice(wrapper, value):
+        del wrapper
+        return (f"It is applied by the inner optimizer at the real update: set it "
+                f"there, `optimizer.inner_optimizer.{attribute} = {value!r}`, or pass "
+                "it to the inner optimizer's constructor (EMA settings: before its "
+                "first step).")
+    return advice
+
+
+def _accumulation_advice(wrapper, value):
+    name = type(wrapper).__name__
+    if wrapper.accumulation_argument:  # a wrapper that accumulates itself
+        return f"Pass `{wrapper.accumulation_argument}={value!r}` to {name}'s constructor."
+    return (f"The wrapper's update does not accumulate: wrap it, "
+            f"`GradientAccumulator({name}(...), steps={value!r})`, or pass "
+            "`gradient_accumulation_steps` to the inner optimizer's constructor "
+            "(Keras 3).")
+
+
+# Set on the class here, at the end of the module (they need the functions above).
 for _attribute in ("weight_decay", "use_ema", "ema_momentum", "ema_overwrite_frequency"):
-    setattr(Wrapper, _attribute, _inner_only(_attribute))
+    setattr(Wrapper, _attribute,
+            _refused_after_construction(_attribute, _inner_advice(_attribute)))
+Wrapper.gradient_accumulation_steps = _refused_after_construction(
+    "gradient_accumulation_steps", _accumulation_advice)
 del _attribute

@@ -25,7 +25,7 @@ by every branch, every micro-step).
 Non-finite values are found once per window, where it is cheap. A dense sum
 keeps any NaN or Inf written into it until the window closes, so the closing
 step tests the dense sums (`dense_sums_finite`: one matrix-vector product per
-sum, as XLA's CPU reductions run about 4x slower than its dot), inside a
+sum, as XLA's CPU reductions run slower than its dot: docs/gradient_accumulation.md), inside a
 conditional that only the closing step enters. A ``"rows"`` sum is tested
 where it is written instead (only the rows a micro-step touched: testing the
 whole table would cost a pass over it per window) and the result rides on
@@ -43,8 +43,8 @@ otherwise. Every accepted micro-step writes every dense sum (a ``None``
 gradient adds zeros), so a dense sum belongs to
 the open window exactly when the window has a micro-step: its add is gated by
 that one scalar and reads and writes no marks. (Reading a mark and writing it
-back in the same step cost every micro-step 5-10% on a 400k-parameter MLP
-under XLA, `benchmarks/accumulation.py`.) Later gradients of the other kind
+back in the same step slowed every micro-step under XLA: `benchmarks/accumulation.py`,
+docs/gradient_accumulation.md.) Later gradients of the other kind
 stay exact: ``IndexedSlices`` for a dense variable are densified, a dense
 gradient for a ``"rows"`` variable takes the per-row select. Not covered: a
 checkpoint saved in the middle of a window and restored by a program in
@@ -154,7 +154,7 @@ def accumulate(state: AccumulationState, grads, weight, accept=True, count=None)
     """
     window = state.window.read_value()
     started = state.micro_step.read_value() > 0
-    gate = (lambda new, old: new) if accept is True else (  # noqa: E731
+    gate = (lambda new, old: new) if accept is True else (
         lambda new, old: tf.where(accept, new, old))
     written = []  # per "rows" sum: are the values this micro-step wrote finite
     for index, (acc, rows, g) in enumerate(zip(state.acc_grads, state.row_windows, grads)):
@@ -296,7 +296,11 @@ def start_next_window(state: AccumulationState, closing):
 
 
 def all_finite(grads):
-    """True when no gradient (dense or ``IndexedSlices``) holds a NaN or Inf."""
+    """True when no gradient (dense or ``IndexedSlices``) holds a NaN or Inf.
+
+    A micro-step's own test, apart from the window's (`window_finite`):
+    ``GradientAccumulator(nonfinite="raise")`` refuses a non-finite micro-batch
+    with it where XLA drops ``tf.debugging`` checks."""
     checks = []
     for g in grads:
         if g is None:

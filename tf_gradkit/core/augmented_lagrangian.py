@@ -84,12 +84,12 @@ class ConstraintSpec:
                 f"takes_outputs={self.takes_outputs})")
 
 
-def Inequality(fn, name=None, shape=None):  # pylint: disable=invalid-name
+def Inequality(fn, name=None, shape=None):  # pylint: disable=invalid-name  # noqa: N802
     """The constraint ``fn(...) <= 0`` elementwise (see ``ConstraintSpec``)."""
     return ConstraintSpec(fn, INEQUALITY, name=name, shape=shape)
 
 
-def Equality(fn, name=None, shape=None):  # pylint: disable=invalid-name
+def Equality(fn, name=None, shape=None):  # pylint: disable=invalid-name  # noqa: N802
     """The constraint ``fn(...) == 0`` elementwise (see ``ConstraintSpec``)."""
     return ConstraintSpec(fn, EQUALITY, name=name, shape=shape)
 
@@ -263,7 +263,7 @@ def observe(values, kinds, state, dual_every, growth, max_penalty, decrease,
     new_multipliers = dual_update(means, kinds, multipliers, penalty)
     new_penalty = grow_penalty(penalty, residual, state.reference_residual,
                                growth, max_penalty, decrease, tolerance)
-    keep = lambda new, old: tf.where(close, new, old)
+    keep = lambda new, old: tf.where(close, new, old)  # noqa: E731
     return AugmentedLagrangianState(
         multipliers=[keep(n, o) for n, o in zip(new_multipliers, multipliers)],
         penalty=keep(new_penalty, penalty),

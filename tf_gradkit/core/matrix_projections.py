@@ -7,16 +7,15 @@ computes in float32 at least (bfloat16/float16 are cast up and back), and
 runs eagerly, in `tf.function` and under ``jit_compile=True``:
 
 * `project_orthogonal`: the polar factor ``U V^T`` by a Newton-Schulz
-  iteration (matrix products only; no SVD, which under XLA on CPU takes
-  ~17 s for 256 x 256 as reported in this project, not re-measured here).
+  iteration (matrix products only; no SVD, which XLA runs very slowly on a
+  CPU: docs/constraints.md, "Measured cost of the matrix projections").
 * `project_monotone`: isotonic regression by the max-min formula over block
   means, vectorised (no data-dependent loops, no host syncs).
 * `project_psd`: clip the eigenvalues of the symmetric part (one
   `tf.linalg.eigh`).
 
-Timings below are on a shared 2-core x86 CPU (TF 2.21, float32, best of 3
-after compilation; "a-b" = idle machine to one loaded by other jobs): a
-guide, not a promise.
+Measured times of each projection (eager and under ``jit_compile=True``):
+docs/constraints.md, "Measured cost of the matrix projections".
 
 References:
   N. J. Higham, "Functions of Matrices", SIAM 2008, ch. 8 (polar
@@ -91,10 +90,7 @@ def project_orthogonal(x, max_iters=100):
 
     Cost: ``O(iters * m * n^2)`` flops for ``m >= n`` (two products per
     iteration) plus three ``n x n`` products for the scale; memory ``O(m n)``.
-    Measured (float32, random Gaussian, 2-core CPU; error vs the float64
-    SVD polar factor ~3e-7): 256 x 256 (cond ~260, ~20 iterations): 24-56
-    ms eager, 9-30 ms with ``jit_compile=True``; 1024 x 256 (cond ~3, ~9
-    iterations): 24-32 ms eager, 21-40 ms jit. Compilation 0.4-2 s, once.
+    Measured times and error: docs/constraints.md.
 
     Args:
       x: a float tensor of rank >= 2.
@@ -196,9 +192,7 @@ def project_monotone(x, axis=-1, increasing=True):
     Cost: ``O(n^2 log n)`` work and ``O(n^2)`` memory per slice (the other
     axes are a batch): fine up to a few thousand entries per slice. PAVA is
     ``O(n)`` but sequential and data-dependent, a poor fit for XLA.
-    Measured (float32, one slice, 2-core CPU): n = 256: 6-14 ms eager,
-    1.3-1.7 ms with ``jit_compile=True``; n = 1024: 32-52 ms eager, 21-51 ms
-    jit (compilation 0.5-1.8 s, once).
+    Measured times: docs/constraints.md.
 
     Args:
       x: a float tensor.
@@ -265,11 +259,9 @@ def project_psd(x):
     zero may come back as ~ -eps |x| and be clipped to 0).
 
     Cost: one symmetric eigendecomposition, ``O(n^3)``. Under XLA on CPU
-    ``eigh`` is a Jacobi iteration and much slower than LAPACK: measured
-    (float32, 2-core CPU, whole projection) n = 64: 1-1.6 ms eager, 3-6 ms
-    with ``jit_compile=True``; n = 256: 6-7 ms eager, 145-370 ms jit
-    (``eigh`` alone ~130 ms idle; compilation 0.9-2.5 s, once). Cost grows ~n^3 (64x per 4x in n;
-    n = 1024 was not measured), so keep jitted CPU uses to a few hundred.
+    ``eigh`` is a Jacobi iteration and much slower than LAPACK (measured
+    times: docs/constraints.md); cost grows ~n^3, so keep jitted CPU uses to
+    a few hundred.
     Prefer small blocks (e.g. covariance or metric matrices of a few
     hundred) inside compiled train steps.
 

@@ -3,8 +3,8 @@
 Why: on Ampere and newer NVIDIA GPUs TensorFlow runs float32 matrix products
 in TF32 by default: each input is rounded to a 10-bit mantissa (unit
 round-off ``u = 2**-11``, against ``2**-24`` for float32) before the exact
-products are summed in float32. Measured on an H100 (TF 2.21): a 512 x 512
-product differs from float64 by 0.038, against 1e-5 with TF32 off. For a
+products are summed in float32 (docs/gpu_and_xla.md gives the error
+measured on an H100, against float64 and with TF32 off). For a
 network's forward pass that is the user's choice of precision. For the
 matrices an algorithm forms from it, it is not:
 

@@ -1,9 +1,9 @@
 """Solves with a symmetric positive definite matrix, fast under XLA on a CPU.
 
 Why: XLA has no Cholesky kernel for the CPU; it expands ``tf.linalg.cholesky``
-into a generic blocked loop that is 10-50x slower than TensorFlow's own CPU
-kernel. For Levenberg-Marquardt on a 61-parameter network that expansion was
-a third of a compiled step.
+into a generic blocked loop, much slower than TensorFlow's own CPU kernel
+and a large share of a compiled Levenberg-Marquardt step (measured:
+docs/gpu_and_xla.md, "Speed under XLA").
 
 What this module does (a trace-time choice, nothing at run time):
 
@@ -15,9 +15,8 @@ What this module does (a trace-time choice, nothing at run time):
   pass over the matrix: it does ``n^3`` multiply-adds where the textbook
   order does ``n^3 / 3``, which stops paying above a few hundred.
   `benchmarks/spd_solve.py` measures it against XLA's expansion and against
-  TensorFlow without XLA (2-core CPU, float32, one solve: n = 61 0.067 ms vs
-  XLA's 0.66 ms; n = 128 0.41 vs 8.4 ms; n = 256 4.0 vs 14.5 ms; n = 512 no
-  faster, hence the limit);
+  TensorFlow without XLA (docs/gpu_and_xla.md, "Speed under XLA": no faster
+  above 256, hence the limit);
 - everywhere else (GPUs and TPUs have their own kernels; TensorFlow without
   XLA has its LAPACK-style one) it is ``tf.linalg.cholesky`` and
   ``tf.linalg.cholesky_solve``.

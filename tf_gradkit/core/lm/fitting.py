@@ -27,8 +27,8 @@ from tf_gradkit.core.lm.robust import RobustLoss
 # Jacobian elements (chunk x N x P) per chunk when `batch_size` is None: on a
 # GPU 2**24 (64 MB in float32; with the solver's copies a chunk needs a few
 # times that, so 10^6 fits of 225 points run in a few GB); on CPUs 2**20,
-# which keeps a chunk in cache (the 2-D Gaussian: 930 fits a chunk ran
-# faster per fit than 10^4).
+# which keeps a chunk in cache (measured faster per fit than larger chunks:
+# docs/batched_fits.md).
 CHUNK_ELEMENTS = 2 ** 24
 CHUNK_ELEMENTS_CPU = 2 ** 20
 

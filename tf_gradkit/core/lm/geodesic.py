@@ -10,10 +10,9 @@ and take ``v + a / 2`` while ``2 |a| / |v| <= alpha`` (the correction stays
 small relative to the velocity), else the plain step ``v``. (Transtrum and
 Sethna reject such attempts instead; falling back to ``v`` is never worse.)
 
-Measured on the NIST StRD set (`tests/nist_problems.py`): no fewer iterations
-overall; MGH17 from its far start no longer converges within 1000 iterations
-(563 without). It is therefore off by default; try it where plain LM crawls
-along a curved valley.
+On the NIST StRD set (`tests/nist_problems.py`) it saved no iterations and
+made one problem worse (docs/levenberg_marquardt.md gives the figures), so it
+is off by default; try it where plain LM crawls along a curved valley.
 
 ``r_vv`` is taken by a central difference along ``v`` (two residual
 evaluations, no second derivatives), and ``J^T r_vv`` by one vector-Jacobian

@@ -17,7 +17,7 @@ and retry, inside the same compiled step.
 
 All use only ops with XLA and GPU kernels (Cholesky, QR, triangular solves;
 under XLA on a CPU the Cholesky solves run `tf_gradkit.core.spd`'s loop,
-4-20x faster than XLA's expansion there up to 256 parameters),
+faster than XLA's expansion there up to 256 parameters: docs/gpu_and_xla.md),
 and form their products through `tf_gradkit.core.precision`, so TF32 on a
 GPU does not lower them to a 10-bit mantissa.
 """

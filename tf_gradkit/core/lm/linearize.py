@@ -2,8 +2,8 @@
 
 The Jacobian comes from forward mode (one vectorised JVP per parameter) when
 there are at least as many residuals as parameters, the usual least-squares
-case, else from reverse mode (one vectorised VJP per residual). Measured on a
-1-20-1 network with 1000 residuals under XLA: 1.5 ms forward vs 62 ms reverse.
+case, else from reverse mode (one vectorised VJP per residual); the times of
+both: docs/levenberg_marquardt.md (its table of how the Keras optimizer works).
 
 Two ways to linearise:
 
@@ -14,9 +14,8 @@ Two ways to linearise:
   each chunk's Jacobian is folded into J^T J and J^T r inside a
   ``tf.while_loop`` and dropped, so memory does not grow with the batch:
   ``chunk * P + P^2`` for J and J^T J, plus the vectorised Jacobian's
-  intermediates, about ``chunk * P * width`` for the widest layer (measured:
-  a 2701-parameter 1-50-50-1 network needs ~1 GB at chunk 1000 and ~0.5 GB
-  at chunk 250, flat from batch 1000 to 10000; benchmarks/lm_memory.py).
+  intermediates, about ``chunk * P * width`` for the widest layer (measured
+  by benchmarks/lm_memory.py: docs/levenberg_marquardt.md, "Memory").
 """
 
 from typing import NamedTuple
