@@ -31,16 +31,15 @@ def _kind(obj):
     return f"{type(obj).__module__}.{type(obj).__name__}"
 
 
-def no_pruning_layers(who, model, flavour):
-    """The error for a ``model`` (of ``flavour``) without pruning layers."""
+def no_pruning_layers(who, model, alternatives=""):
+    """The error for a ``model`` without pruning layers; ``alternatives``:
+    what else ``who`` takes, as the end of a sentence."""
     return ValueError(
         f"{who}: `model` has no pruning wrappers (no layer wrapped by "
         "`tfmot.sparsity.keras.prune_low_magnitude`, which prunes tf_keras models "
         f"only), so there are no masks to keep. Received: model={model.name!r} with "
         f"layers {[layer.name for layer in model.layers]}. Prune a tf_keras model "
-        "with tfmot first, or pass `masks=[(variable, 0/1 mask), ...]` (or "
-        "`{variable.ref(): mask}` for tf.Variables), or use "
-        f"tf_gradkit.{flavour}.MagnitudePruning (its own masks, on a schedule).")
+        f"with tfmot first{alternatives}.")
 
 
 def check_masks(masks, who, is_variable):
@@ -212,7 +211,10 @@ class MaskAware(MaskedUpdate):
                 f"{self.MODEL_KIND}. Received: model={_kind(model)}.{advice} {_TFMOT}")
         layers = _hosts.host_of(self).pruning_layers(model)
         if not layers and not masks_given:
-            raise no_pruning_layers(_WHO, model, self.FLAVOUR)
+            raise no_pruning_layers(
+                _WHO, model, ", or pass `masks=[(variable, 0/1 mask), ...]` (or "
+                "`{variable.ref(): mask}` for tf.Variables), or use "
+                f"tf_gradkit.{self.FLAVOUR}.MagnitudePruning (its own masks, on a schedule)")
         return layers
 
     def _check_masks(self, masks):

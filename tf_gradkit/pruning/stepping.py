@@ -53,7 +53,7 @@ def _pruning_layers(model, who):
             "`tfmot.sparsity.keras.prune_low_magnitude`.")
     layers = _host.pruning_layers(model)
     if not layers:
-        raise no_pruning_layers(who, model, _host.FLAVOUR)
+        raise no_pruning_layers(who, model)
     return layers
 
 
