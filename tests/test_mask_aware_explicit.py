@@ -155,3 +155,24 @@ def test_masks_must_be_variables_of_the_shape_with_zeros_and_ones(K, gk):
         gk.MaskAware(K.optimizers.Adam(), masks=[(kernel, np.full((3, 4), 0.5))])
     with pytest.raises(TypeError, match="non-empty list of"):
         gk.MaskAware(K.optimizers.Adam(), masks=[])
+
+
+@pytest.mark.distributed
+def test_under_mirrored_strategy_equals_single_device(K, gk, mirrored):
+    x, y = regression_data(n=64)
+
+    def build():
+        model = mlp(K, hidden=8)
+        model.compile(optimizer=gk.MaskAware(K.optimizers.Adam(0.02),
+                                             masks=alternate_mask(model)), loss="mse")
+        return model
+
+    ref = build()
+    ref.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    with mirrored.scope():
+        model = build()
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert _nonzero_where_pruned(alternate_mask(model), model.optimizer.inner_optimizer, 2) == 0
+    # Two replicas sum half-batch gradients: float32 summation order only.
+    for a, b in zip(ref.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
