@@ -29,6 +29,14 @@ def mlp(K, d=3, hidden=4, seed=1):
     return model
 
 
+def alternate_mask(model):
+    """``[(first kernel, mask)]``: every other entry of ``model``'s first
+    kernel masked (explicit masks for `MaskAware`)."""
+    kernel = model.trainable_variables[0]
+    size = int(np.prod(kernel.shape))
+    return [(kernel, (np.arange(size) % 2).reshape(tuple(kernel.shape)).astype("float32"))]
+
+
 def embedding_model(K, vocab=50, dim=4, seq=5, seed=2):
     model = K.Sequential([
         K.Input((seq,), dtype="int32"),

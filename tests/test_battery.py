@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import compile_fn
-from helpers import max_abs_diff, mlp, regression_data, variables_of
+from helpers import alternate_mask, max_abs_diff, mlp, regression_data, variables_of
 
 from tf_gradkit import constraints as C
 from tf_gradkit.pruning import ConstantSparsity
@@ -46,6 +46,9 @@ OPTIMIZERS = {
     # A quarter of each kernel pruned at the first update, kept at zero.
     "magnitude-pruning-adam": lambda K, gk, model: gk.MagnitudePruning(
         K.optimizers.Adam(0.02), model=model, schedule=ConstantSparsity(0.25, 0)),
+    # Every other entry of the first kernel masked (explicit masks: both flavours).
+    "mask-aware-adam": lambda K, gk, model: gk.MaskAware(
+        K.optimizers.Adam(0.02), masks=alternate_mask(model or mlp(K))),
 }
 
 NAMES = sorted(OPTIMIZERS)

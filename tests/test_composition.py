@@ -5,8 +5,8 @@ plain optimizers) or is refused at construction with a message naming both
 classes and what to write instead. docs/composing.md shows the same table.
 
 Wrappers: GradientAccumulator ("acc"), Projected ("proj"),
-AugmentedLagrangian ("lagr"), MagnitudePruning ("prune"), pruning.MaskAware
-("mask", tf_keras only),
+AugmentedLagrangian ("lagr"), MagnitudePruning ("prune"), MaskAware ("mask",
+explicit masks),
 Keras's LossScaleOptimizer ("lso") and Keras 3.15's MultiOptimizer ("multi",
 Keras 3 only: the inner optimizer takes the first layer, SGD the rest; given
 a function) and the same MultiOptimizer given an ``OptimizerMap`` ("mmap": the
@@ -40,10 +40,10 @@ from helpers import ROUNDOFF, max_abs_diff, mlp, regression_data, weights_of
 from tf_gradkit import constraints as C
 
 K3 = FLAVOUR == "keras3"
-WRAPPERS = ["acc", "proj", "lagr", "lso", "prune"] + (["multi", "mmap"] if K3 else ["mask"])
+WRAPPERS = ["acc", "proj", "lagr", "lso", "prune", "mask"] + (["multi", "mmap"] if K3 else [])
 INNERS = ["sgd", "adam", "ema", "lm", "fw", "lso(adam)", "acc(sgd)", "proj(adam)",
-          "lagr(adam)", "prune(sgd)"] + (["kacc(sgd)", "multi", "mmap"] if K3
-                                         else ["mask(sgd)"])
+          "lagr(adam)", "prune(sgd)", "mask(sgd)"] + (["kacc(sgd)", "multi", "mmap"] if K3
+                                                      else [])
 
 # The refused cells, each with what its message must say (both class names
 # and the advice). Everything else must equal the by-hand loop.
@@ -72,6 +72,8 @@ if K3:  # Keras 3's compile would wrap the wrapper in a second loss-scale optimi
     REFUSED[("prune", "lso(adam)")] = (r"MagnitudePruning cannot wrap LossScaleOptimizer"
                                        r".*unscaled twice.*outside")
     REFUSED[("proj", "lso(adam)")] = (r"Projected cannot wrap LossScaleOptimizer"
+                                      r".*unscaled twice.*outside")
+    REFUSED[("mask", "lso(adam)")] = (r"MaskAware cannot wrap LossScaleOptimizer"
                                       r".*unscaled twice.*outside")
 # Cells Keras refuses when the MultiOptimizer is built (the first fit), with
 # what the error says; nothing changes.
@@ -173,8 +175,7 @@ def build(K, gk, name, model):
         return K.optimizers.MultiOptimizer(_first_layer_map(K, model, inner,
                                                             K.optimizers.SGD(0.1)))
     if outer == "mask":
-        from tf_gradkit import pruning  # noqa: PLC0415
-        return pruning.MaskAware(inner, masks={model.trainable_variables[0].ref(): MASK})
+        return gk.MaskAware(inner, masks=[(model.trainable_variables[0], MASK)])
     if outer == "prune":  # half the first kernel, from its initial values, at step 1
         from tf_gradkit import pruning  # noqa: PLC0415
         return gk.MagnitudePruning(inner, model=model, targets=[model.trainable_variables[0]],

@@ -1,7 +1,8 @@
 """A saved model loads in a FRESH process that imports TensorFlow and
 tf_gradkit, nothing else (``tf.keras.models.load_model``): every optimizer of
-`_hosts.OPTIMIZERS` (and, in tf_keras, pruning.MaskAware), in every format the
-flavour keeps an optimizer in.
+`_hosts.OPTIMIZERS` (MaskAware: a tfmot-pruned model in tf_keras, explicit masks,
+attached again after loading, in Keras 3), in every format the flavour keeps an
+optimizer in.
 
 The suite's own process registered every class long before it loads
 anything, so only a new interpreter shows what a user's ``import tf_gradkit``
@@ -31,7 +32,7 @@ import tensorflow as tf
 
 import saved_functions
 from conftest import FLAVOUR
-from helpers import regression_data
+from helpers import alternate_mask, regression_data
 from tf_gradkit import _hosts
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -80,6 +81,8 @@ def _plain_cases(K, gk):
             adam(), model=m, schedule=PolynomialDecay(0.0, 0.5, begin_step=0, end_step=4,
                                                      frequency=1))),
         "Projected": (mlp, lambda m: gk.Projected(adam(), {"kernel": C.MaxNorm(1.0)})),
+        # tf_keras: the tfmot case below instead.
+        "MaskAware": (mlp, lambda m: gk.MaskAware(adam(), masks=alternate_mask(m))),
     }
 
 
@@ -133,7 +136,11 @@ def snapshot(model):
 
 def load(case):
     if not case["pruned"]:
-        return tf.keras.models.load_model(case["path"])
+        model = tf.keras.models.load_model(case["path"])
+        if case["masks"]:  # explicit masks: data, given again
+            model.optimizer.attach(masks=[(model.trainable_variables[i], np.asarray(m))
+                                          for i, m in case["masks"]])
+        return model
     import tensorflow_model_optimization as tfmot  # tfmot's layer, in its scope
     with tfmot.sparsity.keras.prune_scope():
         return tf.keras.models.load_model(case["path"])
@@ -203,17 +210,20 @@ def fresh(K, gk, tmp_path_factory):
     expected, job = {}, []
     for name, (make_model, make_optimizer) in cases.items():
         callbacks = []
-        if name == "MaskAware":
+        if name == "MaskAware" and FLAVOUR == "tf_keras":
             from tf_gradkit import pruning  # noqa: PLC0415
             callbacks = [pruning.UpdatePruningStepFromOptimizer()]
         model = make_model()
         model.compile(optimizer=make_optimizer(model), loss="mse", jit_compile=False)
+        masks = None
+        if name == "MaskAware" and FLAVOUR != "tf_keras":
+            masks = [[0, alternate_mask(model)[0][1].tolist()]]
         _fit(model, *first, callbacks)  # 3 micro-batches: windows open
         for fmt in FORMATS:
             path = str(tmp / f"{name}-{fmt}-{FILES[fmt]}")
             model.save(path)
             job.append({"key": f"{name}/{fmt}", "name": name, "path": path,
-                        "pruned": name == "MaskAware",
+                        "pruned": name == "MaskAware" and masks is None, "masks": masks,
                         "needs_functions": name in NEEDS_FUNCTIONS})
         optimizer = model.optimizer
         config = _config(optimizer)
@@ -242,8 +252,6 @@ def fresh(K, gk, tmp_path_factory):
 
 def _case_keys():
     names = sorted(_hosts.OPTIMIZERS) + ["GradientAccumulator-sample_count"]
-    if FLAVOUR == "tf_keras":
-        names.append("MaskAware")
     return [f"{name}/{fmt}" for name in names for fmt in FORMATS]
 
 
@@ -308,11 +316,10 @@ ours = [str(w.message) for w in caught if "tf_gradkit" in str(w.message)]
 assert not ours, ours
 from tf_gradkit._hosts import OPTIMIZERS
 from tf_gradkit.core.sets import SETS
-names = (list(OPTIMIZERS) + [s.__name__ for s in SETS] + ["AccumBatchNormalization"]
-         + (["MaskAware"] if {later!r} == "tf_keras" else []))
+names = list(OPTIMIZERS) + [s.__name__ for s in SETS] + ["AccumBatchNormalization"]
 found = {{n: K.saving.get_registered_object("tf_gradkit>" + n) for n in names}}
 wrong = {{n: c for n, c in found.items() if c is None
-         or not c.__module__.startswith(("tf_gradkit.{package}", "tf_gradkit.pruning"))}}
+         or not c.__module__.startswith("tf_gradkit.{package}")}}
 assert not wrong, wrong
 assert "tensorflow_model_optimization" not in sys.modules
 assert dict(os.environ) == before, "environment changed"

@@ -6,7 +6,7 @@ over every optimizer of `tf_gradkit._hosts.OPTIMIZERS` in the process's
 flavour. A wrapper runs around SGD and around Adam with its own effect made
 neutral (GradientAccumulator(steps=1), Projected onto a box no value
 reaches, AugmentedLagrangian with an inactive constraint, MagnitudePruning
-at sparsity 0) and must do exactly what Keras's optimizer does alone (the
+at sparsity 0, MaskAware masking a variable of its own with ones) and must do exactly what Keras's optimizer does alone (the
 reference); ConditionalGradient and LevenbergMarquardt take the checks that
 do not depend on an SGD-like step. Each check passes, or is skipped with
 the reason there is no counterpart.
@@ -25,7 +25,8 @@ from conftest import FLAVOUR, keras_module
 from tf_gradkit._hosts import OPTIMIZERS
 
 KERAS3 = FLAVOUR == "keras3"
-WRAPPERS = ("AugmentedLagrangian", "GradientAccumulator", "MagnitudePruning", "Projected")
+WRAPPERS = ("AugmentedLagrangian", "GradientAccumulator", "MagnitudePruning", "MaskAware",
+            "Projected")
 INNERS = ("sgd", "adam")
 KERAS_OPTIMIZERS = {"adam": "Adam", "sgd": "SGD", "adamw": "AdamW", "adagrad": "Adagrad",
                     "rmsprop": "RMSprop", "adadelta": "Adadelta", "adamax": "Adamax",
@@ -54,10 +55,14 @@ def _neutral(gk, name, inner):
     if name == "MagnitudePruning":
         from tf_gradkit.pruning import ConstantSparsity  # noqa: PLC0415
         return gk.MagnitudePruning(inner, targets=".", schedule=ConstantSparsity(0.0, 0, 1, 1))
+    if name == "MaskAware":  # a mask of ones, of a variable of its own
+        return gk.MaskAware(inner, masks=[(tf.Variable([1.0]), [1.0])])
     raise AssertionError(name)
 
 
-CASES = [f"{w}-{i}" for w in WRAPPERS for i in INNERS] + [
+# MaskAware around SGD only: its masked update is the same around any inner
+# optimizer (tests/test_mask_aware_explicit.py), and the suite's time is short.
+CASES = [f"{w}-{i}" for w in WRAPPERS for i in INNERS if w != "MaskAware" or i == "sgd"] + [
     "ConditionalGradient", "LevenbergMarquardt"]
 assert set(WRAPPERS) | {"ConditionalGradient", "LevenbergMarquardt"} == set(OPTIMIZERS)
 
@@ -203,7 +208,8 @@ def _required(case):
     return {"GradientAccumulator": {"steps": 1, "reduction": "microbatch"},
             "Projected": {"constraints": {".": case.gk.constraints.Box(-1e6, 1e6)}},
             "AugmentedLagrangian": {"constraints": [case.gk.Inequality(_inactive)]},
-            "MagnitudePruning": {}}[case.name]
+            "MagnitudePruning": {},
+            "MaskAware": {"masks": [(tf.Variable([1.0]), [1.0])]}}[case.name]
 
 
 CLIPS = {"clipnorm": ([100.0, 100.0], 1.0), "clipvalue": ([100.0, -100.0], 1.0),

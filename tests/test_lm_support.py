@@ -29,7 +29,7 @@ def problem(K, seed=0, keep=0.3):
 
 
 def give_masks(lm, model, mask_var):
-    """What `pruning.MaskAware` does (tf_keras only): hand LM a `Masks`
+    """What `MaskAware` does: hand LM a `Masks`
     value holding the first kernel's mask."""
     from tf_gradkit.core.masks import Masks  # noqa: PLC0415
     lm.masks = Masks(lm._var_key)

@@ -22,11 +22,8 @@ def _all_ours(K, gk, var):
         "frank-wolfe": gk.ConditionalGradient(0.2, lambda_=2.0),
         "frank-wolfe-patterns": gk.ConditionalGradient(0.2, lambda_={".*": 2.0},
                                                        ord="nuclear"),
+        "mask-aware": gk.MaskAware(K.optimizers.Adam(0.1), masks={var.ref(): np.ones((2, 2))}),
     }
-    if FLAVOUR == "tf_keras":
-        from tf_gradkit import pruning  # noqa: PLC0415
-        out["mask-aware"] = pruning.MaskAware(K.optimizers.Adam(0.1),
-                                              masks={var.ref(): np.ones((2, 2))})
     return out
 
 
@@ -34,8 +31,6 @@ def _all_ours(K, gk, var):
                                   "frank-wolfe", "frank-wolfe-patterns", "mask-aware"])
 def test_plain_tf_variables_work_everywhere(K, gk, name):
     # Keras optimizers accept a plain tf.Variable; so do ours.
-    if name == "mask-aware" and FLAVOUR != "tf_keras":
-        pytest.skip("MaskAware is tf_keras only")
     var = tf.Variable([[1.0, -2.0], [0.5, 3.0]], name="w")
     opt = _all_ours(K, gk, var)[name]
     target = tf.constant([[0.2, 0.1], [0.3, 0.4]])
@@ -59,8 +54,6 @@ def test_lm_minimizes_over_a_plain_tf_variable(gk):
 
 @pytest.mark.parametrize("name", ["accumulator", "projected", "lagrangian", "mask-aware"])
 def test_gradients_that_are_all_none_raise_like_keras(K, gk, name):
-    if name == "mask-aware" and FLAVOUR != "tf_keras":
-        pytest.skip("MaskAware is tf_keras only")
     var = tf.Variable([[1.0, -2.0], [0.5, 3.0]])
     opt = _all_ours(K, gk, var)[name]
     with pytest.raises(ValueError, match="No gradients provided for any variable"):

@@ -25,7 +25,7 @@ import tensorflow as tf
 
 import tf_gradkit
 from conftest import FLAVOUR, keras_module
-from helpers import max_abs_diff, mlp, regression_data, variables_of, weights_of
+from helpers import alternate_mask, max_abs_diff, mlp, regression_data, variables_of, weights_of
 from tf_gradkit import constraints as C
 from tf_gradkit.pruning import ConstantSparsity
 
@@ -58,6 +58,8 @@ def _optimizers(K, gk):
             epoch_end="carry"),
         "magnitude-pruning": lambda m: gk.MagnitudePruning(
             K.optimizers.Adam(0.05), model=m, schedule=ConstantSparsity(0.5, 0)),
+        # Explicit masks: data, not configuration (attached again after a load).
+        "mask-aware": lambda m: gk.MaskAware(K.optimizers.Adam(0.05), masks=alternate_mask(m)),
         # Keras 3.15: an accumulator for the first layer, Adam for the rest.
         "multioptimizer": lambda m: K.optimizers.MultiOptimizer(K.optimizers.OptimizerMap(
             default_optimizer=K.optimizers.Adam(0.05),
@@ -70,7 +72,7 @@ def _optimizers(K, gk):
 
 FORMATS = ["keras", "checkpoint"] + (["savedmodel", "h5"] if FLAVOUR == "tf_keras" else [])
 NAMES = ["accumulator", "levenberg-marquardt", "projected", "lagrangian", "frank-wolfe",
-         "accumulator-projected", "magnitude-pruning"] + (
+         "accumulator-projected", "magnitude-pruning", "mask-aware"] + (
              ["multioptimizer"]  # Keras 3.15+
              if hasattr(K_.optimizers, "MultiOptimizer") else [])
 
@@ -131,6 +133,8 @@ def test_save_mid_run_load_and_continue_exactly(K, gk, tmp_path, name, fmt):
                 _fit(loaded, *second)
             return
         loaded.optimizer.build(loaded.trainable_variables)
+        if name == "mask-aware":  # explicit masks are not saved: given again
+            loaded.optimizer.attach(masks=alternate_mask(loaded))
         assert type(loaded.optimizer) is type(stopped.optimizer)
         if name != "multioptimizer":  # Keras's get_config holds its map object
             assert loaded.optimizer.get_config() == stopped.optimizer.get_config()

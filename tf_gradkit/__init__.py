@@ -56,7 +56,7 @@ def attach(model):
     configuration and state but not the optimizer's link to the model, which
     `LevenbergMarquardt` (its train step), `GradientAccumulator` (batch
     sizes, loss counts, epoch ends), `AugmentedLagrangian` (output
-    constraints) and `pruning.MaskAware` (masks) need under ``fit``.
+    constraints) and `MaskAware` (masks) need under ``fit``.
     ``load_model`` binds them again by itself (Keras's loader says which
     model it loads). This is for optimizers made by ``from_config`` by hand
     and given to another model: every optimizer in the model's optimizer

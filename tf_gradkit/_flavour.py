@@ -24,13 +24,13 @@ KERAS3 = "keras3"
 TF_KERAS = "tf_keras"
 
 # Each flavour's Keras module, and the modules whose import registers every
-# class of that flavour a saved file can name (optimizers, constraints,
-# layers; tf_keras also MaskAware, whose module imports no tfmot) with that
-# Keras, for ``load_model`` (see `tf_gradkit._registration`).
+# class of that flavour a saved file can name (optimizers, MaskAware too,
+# constraints, layers; none imports tfmot) with that Keras, for
+# ``load_model`` (see `tf_gradkit._registration`).
 KERAS_MODULES = {KERAS3: "keras", TF_KERAS: "tf_keras"}
 REGISTERING_MODULES = {
     KERAS3: ("tf_gradkit.keras3",),
-    TF_KERAS: ("tf_gradkit.tf_keras", "tf_gradkit.pruning.mask_aware"),
+    TF_KERAS: ("tf_gradkit.tf_keras",),
 }
 
 

@@ -16,8 +16,8 @@ the flavour packages make theirs when they are imported. `register_flavours`
   ``exec_module`` for that one import, then leaves.
 
 Nothing here imports a Keras, sets an environment variable or imports tfmot
-(whose import sets ``TF_USE_LEGACY_KERAS=1``): registering tf_keras's
-``MaskAware`` reads tfmot's masks without importing it.
+(whose import sets ``TF_USE_LEGACY_KERAS=1``): tf_keras's ``MaskAware``
+finds tfmot's masks (its host's ``pruning_layers``) without importing it.
 """
 
 import importlib

@@ -1,7 +1,7 @@
 """What every wrapper that updates through pruning masks shares, written once.
 
-`pruning.MaskAware` (tfmot's masks, tf_keras) and `MagnitudePruning` (its
-own masks, both flavours) make every update go through the current mask
+`MaskAware` (explicit masks, or tfmot's in tf_keras) and `MagnitudePruning`
+(its own masks), both flavours, make every update go through the current mask
 ``M`` of each pruned weight ``w``::
 
     g <- g * M;  inner update;  w <- w * M;  s <- s * M

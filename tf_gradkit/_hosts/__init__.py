@@ -26,6 +26,7 @@ OPTIMIZERS = {
     "GradientAccumulator": ("tf_gradkit._algorithms.gradient_accumulator", "WrapperHost"),
     "LevenbergMarquardt": ("tf_gradkit._algorithms.levenberg_marquardt", "StateHost"),
     "MagnitudePruning": ("tf_gradkit._algorithms.magnitude_pruning", "WrapperHost"),
+    "MaskAware": ("tf_gradkit._algorithms.mask_aware", "WrapperHost"),
     "Projected": ("tf_gradkit._algorithms.projected", "WrapperHost"),
 }
 

@@ -18,8 +18,8 @@ from tf_gradkit import _optimizer_tree, _registration
 from tf_gradkit._hosts import protocol
 # Host functions both flavours share (see `protocol.HOST_FUNCTIONS`).
 from tf_gradkit._hosts.protocol import (  # noqa: F401
-    built_variables, compiled_loss_weights, dataset_graph, is_built, is_variable,
-    loss_fn_kwargs, optimizer_map)
+    built_variables, compiled_loss_weights, dataset_graph, is_built, loss_fn_kwargs,
+    optimizer_map)
 
 FLAVOUR = "keras3"
 Optimizer = keras.optimizers.Optimizer
@@ -394,6 +394,26 @@ def layer_kinds():
     from keras.src.models.functional import Functional  # pylint: disable=import-outside-toplevel
     kinds["graph_models"] = (keras.Sequential, Functional)
     return kinds
+
+
+def pruning_layers(model):
+    """None: no Keras 3 layer keeps pruning masks of its own
+    (tensorflow-model-optimization prunes tf_keras models only); Keras 3
+    masks are `MagnitudePruning`'s or given explicitly to `MaskAware`."""
+    del model
+    return []
+
+
+def pruning_masks(layers):
+    """None (see `pruning_layers`)."""
+    del layers
+    return []
+
+
+def is_variable(obj):
+    """A Keras 3 variable (``keras.Variable``) or anything with TensorFlow's
+    variable identity (`protocol.is_variable`)."""
+    return isinstance(obj, keras.Variable) or protocol.is_variable(obj)
 
 
 def watch_applied_gradients(optimizer, record):

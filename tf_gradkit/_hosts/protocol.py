@@ -651,6 +651,10 @@ HOST_FUNCTIONS = {
     "check_backend": "check_backend(owner): raises unless this Keras runs on TensorFlow",
     "constraint_class": "constraint_class(set_class): the Keras constraint of a core.sets set",
     "layer_kinds": "layer_kinds(): kind -> this flavour's layer classes the gradient tools know",
+    "pruning_layers": "pruning_layers(model) -> list: model's layers that keep pruning masks "
+                      "of their own (tfmot's PruneLowMagnitude), in order; [] where none can",
+    "pruning_masks": "pruning_masks(layers) -> [(weight, mask)]: the masks those layers hold "
+                     "now (none before a layer is built)",
     "watch_applied_gradients": "watch_applied_gradients(optimizer, record) -> unwatch: "
                                "record(grads, variables) sees every gradient it applies",
     "resume_fit_at": "resume_fit_at(model, epoch, step) -> bool: the next fit starts "

@@ -389,6 +389,23 @@ def layer_kinds():
     return kinds
 
 
+def pruning_layers(model):
+    """tfmot's ``PruneLowMagnitude`` layers in ``model`` (nested models too),
+    in order. Recognised by what they hold, not by their class, so that
+    nothing imports tensorflow-model-optimization (whose import sets
+    ``TF_USE_LEGACY_KERAS=1`` for the process): a ``pruning_obj``, a
+    ``pruning_step`` and a ``pruning_vars`` list."""
+    return [layer for layer in model.submodules
+            if hasattr(layer, "pruning_obj") and hasattr(layer, "pruning_step")
+            and isinstance(getattr(layer, "pruning_vars", None), list)]
+
+
+def pruning_masks(layers):
+    """``(weight, mask)`` of each built pruning layer: tfmot keeps its
+    ``pruning_vars`` as ``(weight, mask, threshold)`` (none until built)."""
+    return [(weight, mask) for layer in layers for weight, mask, _ in layer.pruning_vars]
+
+
 def watch_applied_gradients(optimizer, record):
     """Makes ``record(grads, variables)`` see every gradient ``optimizer``
     applies (tf_keras: its ``apply_gradients``, which ``minimize`` and

@@ -1,6 +1,6 @@
-"""Pruning masks as a value (pure TensorFlow; no tfmot import).
+"""Pruning masks as a value (pure TensorFlow; nothing of tfmot or Keras).
 
-`Masks` is handed down an optimizer chain by `tf_gradkit.pruning.MaskAware`
+`Masks` is handed down an optimizer chain by `MaskAware`
 to every optimizer that can use masks (``accepts_masks``): `Projected`
 projects within the masks' support, `LevenbergMarquardt` solves for the
 unpruned weights only. A `Projected` outside a `MaskAware` takes it from the
@@ -11,27 +11,25 @@ the current masks from it.
 import tensorflow as tf
 
 
-def source_masks(sources):
-    """``(weight, mask)`` pairs of built pruning layers (tfmot's
-    ``PruneLowMagnitude`` keeps ``pruning_vars`` as ``(weight, mask,
-    threshold)``; unbuilt ones have none yet)."""
-    return [(weight, mask) for layer in sources for weight, mask, _ in layer.pruning_vars]
-
-
 class Masks:
     """The pruning masks of a model, keyed like the optimizer keys variables.
 
-    Masks come from pruning layers (read at every step, so schedules are
-    followed; the layers have masks once built) and/or explicit
-    ``(variable, mask)`` pairs. `attach` fills an empty one (a `MaskAware`
-    made by ``from_config``); everyone holding it sees them.
+    Masks come from sources that keep masks of their own (pruning layers:
+    read at every step through ``read``, so schedules are followed; the
+    layers have masks once built) and/or explicit ``(variable, mask)``
+    pairs. `attach` fills an empty one (a `MaskAware` made by
+    ``from_config``); everyone holding it sees them.
 
     Args:
       key: the optimizer's variable key function (``optimizer._var_key``).
+      read: ``read(sources) -> [(variable, mask)]``, the masks the sources
+        hold now (the Keras host's ``pruning_masks``); only needed when
+        sources are attached.
     """
 
-    def __init__(self, key):
+    def __init__(self, key, read=None):
         self._key = key
+        self._read = read
         self._sources = []
         self._pairs = []
         self._table = None
@@ -51,7 +49,7 @@ class Masks:
     def table(self):
         """``{key: (variable, mask)}``; layers' masks appear once built."""
         if self._table is None:
-            pairs = source_masks(self._sources) + self._pairs
+            pairs = (self._read(self._sources) if self._sources else []) + self._pairs
             if not pairs:
                 return {}  # layers not built yet: nothing to mask so far
             self._table = {self._key(variable): (variable, mask)

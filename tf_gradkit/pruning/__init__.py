@@ -12,17 +12,20 @@ tfmot (whose import sets ``TF_USE_LEGACY_KERAS=1`` for the process) or sets an
 environment variable; each name loads its module (and tf_keras) at first use.
 
 - `MaskAware`: an optimizer wrapper; pruned weights and their optimizer state
-  are exactly zero after every update.
+  are exactly zero after every update. Here always tf_keras's
+  (``tf_gradkit.tf_keras.MaskAware``, tfmot's flavour);
+  ``tf_gradkit.keras3.MaskAware`` takes explicit masks.
 - `UpdatePruningStepFromOptimizer`: tfmot's ``UpdatePruningStep`` counting
   real optimizer updates (so gradient accumulation does not speed schedules up).
 - `PruningStepper`: the same for custom training loops, plus ``strip()``.
 - `strip_pruning`: ``tfmot.sparsity.keras.strip_pruning``.
 """
 
+import importlib
+
 from tf_gradkit import _flavour
 
 _MEMBERS = {
-    "MaskAware": "mask_aware",
     "PruningStepper": "stepping",
     "UpdatePruningStepFromOptimizer": "stepping",
     "strip_pruning": "stepping",
@@ -30,7 +33,7 @@ _MEMBERS = {
 
 _SCHEDULES = ("ConstantSparsity", "PolynomialDecay", "PruningSchedule")
 
-__all__ = sorted(list(_MEMBERS) + ["MagnitudePruning"] + list(_SCHEDULES))
+__all__ = sorted(list(_MEMBERS) + ["MagnitudePruning", "MaskAware"] + list(_SCHEDULES))
 
 _members, _ = _flavour.lazy_members(__name__, _MEMBERS)
 
@@ -38,6 +41,8 @@ _members, _ = _flavour.lazy_members(__name__, _MEMBERS)
 def __getattr__(name):
     if name == "MagnitudePruning":  # the active flavour's class
         return _flavour.resolve(name, __name__)
+    if name == "MaskAware":  # tf_keras's, whatever the process's flavour (tfmot's)
+        return importlib.import_module("tf_gradkit.tf_keras").MaskAware
     if name in _SCHEDULES:
         from tf_gradkit.core import pruning_schedule  # noqa: PLC0415
         return getattr(pruning_schedule, name)

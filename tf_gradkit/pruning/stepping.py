@@ -28,8 +28,50 @@ import tensorflow as tf
 import tf_keras
 
 from tf_gradkit import _hosts
+from tf_gradkit._algorithms.mask_aware import no_pruning_layers
+from tf_gradkit._hosts import tf_keras as _host
 from tf_gradkit._optimizer_tree import optimizer_chain
-from tf_gradkit.pruning import _masks
+
+_LossScaleOptimizer = tf_keras.mixed_precision.LossScaleOptimizer
+
+
+def _kind(obj):
+    return f"{type(obj).__module__}.{type(obj).__name__}"
+
+
+def _pruning_layers(model, who):
+    """The pruning layers of ``model`` (tf_keras's host finds tfmot's);
+    raises unless it is a tf_keras model with some."""
+    if not isinstance(model, tf_keras.Model):
+        keras3 = _hosts.host_of(model) not in (None, _host)
+        raise TypeError(
+            f"{who}: `model` must be a tf_keras model; tfmot prunes only "
+            "tf_keras (Keras 2) models" + (", and this is a Keras 3 model" if keras3 else "")
+            + f". Received: model={_kind(model)}. Build the model with `import tf_keras` "
+            "(or set TF_USE_LEGACY_KERAS=1 before importing TensorFlow so "
+            "that `tf.keras` is tf_keras), then wrap it with "
+            "`tfmot.sparsity.keras.prune_low_magnitude`.")
+    layers = _host.pruning_layers(model)
+    if not layers:
+        raise no_pruning_layers(who, model)
+    return layers
+
+
+def _check_optimizer(optimizer, who):
+    if isinstance(optimizer, (tf_keras.optimizers.Optimizer, _LossScaleOptimizer)):
+        return
+    if _hosts.host_of(optimizer) not in (None, _host):
+        hint = ("this is a Keras 3 optimizer; tfmot prunes only tf_keras "
+                "models, so use tf_keras.optimizers (e.g. "
+                "tf_keras.optimizers.Adam) and tf_gradkit.tf_keras wrappers")
+    else:
+        hint = ("legacy optimizers (tf_keras.optimizers.legacy) and other "
+                "objects are not accepted")
+    raise TypeError(
+        f"{who}: `optimizer` must be a tf_keras optimizer "
+        "(tf_keras.optimizers.Optimizer, a tf_gradkit.tf_keras wrapper, or "
+        f"tf_keras.mixed_precision.LossScaleOptimizer); {hint}. Received: "
+        f"optimizer={_kind(optimizer)}.")
 
 
 def _accumulation_steps(optimizer):
@@ -82,7 +124,7 @@ class UpdatePruningStepFromOptimizer(tf_keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         del logs
-        self.prunable_layers = _masks.pruning_wrappers(self.model)
+        self.prunable_layers = _host.pruning_layers(self.model)
         host = _hosts.host_for(self.model, "model", "UpdatePruningStepFromOptimizer")
         per_execution = host.steps_per_execution(self.model)
         if per_execution > 1 and _accumulation_steps(self.model.optimizer) > 1:
@@ -152,9 +194,9 @@ class PruningStepper:
     """
 
     def __init__(self, model, optimizer=None):
-        self._wrappers = _masks.check_model(model, "PruningStepper")
+        self._wrappers = _pruning_layers(model, "PruningStepper")
         if optimizer is not None:
-            _masks.check_optimizer(optimizer, "PruningStepper")
+            _check_optimizer(optimizer, "PruningStepper")
         self.model = model
         self._optimizer = optimizer
         self._loaded_checked = False
