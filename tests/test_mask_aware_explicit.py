@@ -176,3 +176,24 @@ def test_under_mirrored_strategy_equals_single_device(K, gk, mirrored):
     # Two replicas sum half-batch gradients: float32 summation order only.
     for a, b in zip(ref.get_weights(), model.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_masks_of_another_models_variables_are_not_silent(K, gk):
+    """Masks built on one model's variables and given for training another
+    (a clone has new variables) mask nothing: a warning says so at build,
+    naming the masked variables; masks on the trained model's own variables
+    build without it."""
+    import warnings  # noqa: PLC0415
+    x, y = regression_data()
+    other, model = mlp(K), mlp(K)
+    opt = gk.MaskAware(K.optimizers.Adam(), masks=alternate_mask(other))
+    model.compile(optimizer=opt, loss="mse")
+    with pytest.warns(UserWarning, match=r"none of the \d+ explicit masks is for a "
+                      r"variable this optimizer updates.*own variables"):
+        model.fit(x, y, epochs=1, verbose=0)
+    own = mlp(K)
+    own.compile(optimizer=gk.MaskAware(K.optimizers.Adam(), masks=alternate_mask(own)),
+                loss="mse")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*explicit masks.*")
+        own.fit(x, y, epochs=1, verbose=0)

@@ -9,6 +9,8 @@ those of a model's pruning layers, found and read by the model's host
 tf_keras; none in Keras 3, which tfmot does not prune).
 """
 
+import warnings
+
 import tensorflow as tf
 
 from tf_gradkit import _hosts
@@ -255,6 +257,23 @@ class MaskAware(MaskedUpdate):
         if self.masks.empty:
             return  # made by from_config: `attach` builds the targets
         self._build_targets(var_list)
+        self._warn_if_no_explicit_mask_matches(var_list)
+
+    def _warn_if_no_explicit_mask_matches(self, var_list):
+        """Explicit masks none of which names a variable this optimizer
+        updates (masks built on another model's variables, a clone's) would
+        mask nothing: said, not silent."""
+        count = self.masks.explicit_count
+        unmatched = self.masks.explicit_unmatched(self._variable_key(v) for v in var_list)
+        if count and len(unmatched) == count:
+            names = [getattr(v, "path", None) or getattr(v, "name", "?") for v, _ in unmatched]
+            warnings.warn(
+                f"{_WHO}: none of the {count} explicit masks is for a variable this "
+                f"optimizer updates, so nothing is masked. Received masks for: "
+                f"{names[:5]}; the optimizer was built for {len(var_list)} variables. "
+                "Build the masks on the trained model's own variables (a cloned or "
+                "reloaded model has new ones), or call `attach(masks=...)` with them.",
+                stacklevel=2)
 
     def get_config(self):
         # Masks are data of the model, not configuration: `attach` them after

@@ -43,6 +43,16 @@ class Masks:
         """True until masks were given (a `MaskAware` made by ``from_config``)."""
         return not (self._sources or self._pairs)
 
+    def explicit_unmatched(self, keys):
+        """The explicit ``(variable, mask)`` pairs whose variable's key is not
+        in ``keys`` (the variables an optimizer was built for)."""
+        keys = set(keys)
+        return [(v, m) for v, m in self._pairs if self._key(v) not in keys]
+
+    @property
+    def explicit_count(self):
+        return len(self._pairs)
+
     def same_sources(self, sources):
         return [id(s) for s in sources] == [id(s) for s in self._sources]
 
