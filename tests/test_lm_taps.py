@@ -12,6 +12,7 @@ from tf_gradkit.core.lm import linearize as lin_lib
 from tf_gradkit.core.lm.linear_solvers import ConjugateGradient
 from tf_gradkit.gradients import tapped_jacobian
 
+from conftest import compile_fn
 from helpers import float32_matmuls, weights_of
 
 
@@ -344,3 +345,66 @@ def test_linearization_argument(gk):
     opt = gk.LevenbergMarquardt(linearization="autodiff")
     assert opt.get_config()["linearization"] == "autodiff"
     assert gk.LevenbergMarquardt.from_config(opt.get_config()).linearization == "autodiff"
+
+
+# ------------------------------------------------- minimize(..., model=)
+def _minimize_once(K, gk, mode, residuals, linearization, solver="cholesky"):
+    """One minimize step on a float64 MLP: (step, linearization_used)."""
+    rng = np.random.RandomState(0)
+    x, y = tf.constant(rng.randn(12, 3)), tf.constant(rng.randn(12, 2))
+    model = K.Sequential([K.Input((3,), dtype="float64"),
+                          K.layers.Dense(4, activation="tanh", dtype="float64"),
+                          K.layers.Dense(2, dtype="float64")])
+    _randomise(model, seed=1)
+    opt = gk.LevenbergMarquardt(linearization=linearization, solver=solver)
+    variables = model.trainable_variables
+    step = compile_fn(lambda: opt.minimize(lambda: residuals(model, x, y), variables,
+                                           model=model), mode)
+    before = weights_of(model)
+    step()
+    return [a - b for a, b in zip(weights_of(model), before)], opt.linearization_used
+
+
+MINIMIZE_RESIDUALS = {
+    "per_example": lambda m, x, y: m(x) - y,
+    # A batch mean (the taps' rows would miss its cross terms), and a layout
+    # whose first axis is not the examples'.
+    "batch_mean": lambda m, x, y: m(x) - tf.reduce_mean(m(x), 0) - y,
+    "transposed": lambda m, x, y: tf.transpose(m(x) - y),
+}
+
+
+@pytest.mark.parametrize("kind,mode_", [
+    ("per_example", "eager"), ("per_example", "jit"), ("batch_mean", "eager"),
+    ("transposed", "jit"),
+    pytest.param("batch_mean", "jit", marks=pytest.mark.slow),
+    pytest.param("transposed", "eager", marks=pytest.mark.slow)])
+def test_minimize_checked_taps_equal_autodiff(K, gk, mode_, kind):
+    residuals = MINIMIZE_RESIDUALS[kind]
+    step, used = _minimize_once(K, gk, mode_, residuals, "auto")
+    # (The reference eagerly: one XLA compilation fewer, the same math.)
+    step_ref, used_ref = _minimize_once(K, gk, "eager", residuals, "autodiff")
+    if kind == "per_example":
+        assert used == "taps (checked per example)", used
+    else:  # the check failed: this call took the autodiff Jacobian
+        assert used.startswith("autodiff: the residuals of `residual_fn` are not "
+                               "per example"), used
+    assert used_ref == "autodiff: linearization='autodiff'"
+    size = max(float(np.max(np.abs(s))) for s in step_ref)
+    assert size > 0
+    for s, s_ref in zip(step, step_ref):  # float64: one step's round-off
+        np.testing.assert_allclose(s, s_ref, atol=1e-8 * size)
+
+
+def test_minimize_taps_need_a_model(K, gk):
+    model = K.Sequential([K.Input((3,)), K.layers.Dense(1)])
+    x = tf.constant(np.random.RandomState(0).randn(5, 3).astype("float32"))
+    opt = gk.LevenbergMarquardt()
+    opt.minimize(lambda: model(x), model.trainable_variables)
+    assert opt.linearization_used.startswith("autodiff: minimize was given no `model=`")
+    with pytest.raises(ValueError, match="linearization='taps'.*no `model=`"):
+        gk.LevenbergMarquardt(linearization="taps").minimize(
+            lambda: model(x), model.trainable_variables)
+    with pytest.raises(ValueError, match="linearization='taps'.*matrix-free"):
+        gk.LevenbergMarquardt(linearization="taps", solver="cg", scaling="levenberg") \
+            .minimize(lambda: model(x), model.trainable_variables, model=model)

@@ -10,14 +10,15 @@ var_list)``. Plain ``apply_gradients`` raises, saying how to use it.
 
 from typing import NamedTuple
 
-import numpy as np
 import tensorflow as tf
 
 from tf_gradkit import _model_hooks
 from tf_gradkit import _optimizer_tree
 from tf_gradkit._algorithms import lm_losses
+from tf_gradkit._algorithms import lm_minimize
+from tf_gradkit._algorithms.lm_support import Supports, check_subset
 from tf_gradkit._algorithms.lm_fit_step import (
-    FitStep, check_residuals, linearize_for, require_normal_equations,
+    FitStep, check_residuals, linearize_for, require_normal_equations,  # noqa: F401
     variable_constraints)
 from tf_gradkit._algorithms.wrapper import unexpected_arguments
 from tf_gradkit.core.lm import damping as damping_lib
@@ -54,16 +55,6 @@ GUARD_CARRIED = 0.25
 # minimum the batch-to-batch noise in the tiny decreases would only slow the
 # end of the fit (measured: docs/levenberg_marquardt.md, same section).
 GUARD_RESIDUALS_PER_PARAMETER = 4
-
-
-def _check_subset(subset):
-    fraction = isinstance(subset, (int, float)) and not isinstance(subset, bool) \
-        and 0 < subset <= 1
-    if subset is not None and subset != "layers" and not fraction:
-        raise ValueError(
-            "LevenbergMarquardt: `subset` must be None (every parameter), a "
-            "fraction in (0, 1] (drawn at random each step) or 'layers' (one "
-            f"layer per step, in turn). Received: subset={subset!r}")
 
 
 LINEARIZATIONS = ("auto", "taps", "autodiff")
@@ -129,7 +120,7 @@ def check_parts(scaling, solver):
     parts_lib.check_parts(scaling, solver, "LevenbergMarquardt")
 
 
-class LevenbergMarquardt(FitStep):
+class LevenbergMarquardt(FitStep, Supports):
     """Levenberg-Marquardt as a Keras optimizer.
 
     LM minimises ``0.5 * |r|^2`` by solving the damped Gauss-Newton system
@@ -240,7 +231,7 @@ class LevenbergMarquardt(FitStep):
                 "residuals, subset, linearization", advice="")
         check_residuals(residuals, chunk_size)
         _check_linearization(linearization)
-        _check_subset(subset)
+        check_subset(subset)
         if not isinstance(minibatch_guard, bool):
             raise ValueError("LevenbergMarquardt: `minibatch_guard` must be True or "
                              f"False. Received: minibatch_guard={minibatch_guard!r}")
@@ -266,9 +257,10 @@ class LevenbergMarquardt(FitStep):
         self.residuals = residuals
         self.subset = subset
         self.linearization = linearization
-        # What the last traced fit step linearised with: "taps" or
-        # "autodiff: <why not taps>" (None before the first step).
-        object.__setattr__(self, "linearization_used", None)
+        # What the last traced step linearised with (`linearization_used`);
+        # minimize's check of its taps, a variable made at its first use.
+        object.__setattr__(self, "_linearization_used", None)
+        object.__setattr__(self, "_taps_apart", None)
         self._residuals_unsaved = None  # the name of one lost in saving
         self._lm_vars = None
         self.masks = None
@@ -358,14 +350,48 @@ class LevenbergMarquardt(FitStep):
         """Damped solves the last iteration needed (1 = first one accepted)."""
         return self._last_attempts
 
+    @property
+    def linearization_used(self):
+        """How the last traced step formed the Jacobian: "taps" (fit), "taps
+        (checked per example)" (minimize), or "autodiff: <why not taps>";
+        None before the first step. Read eagerly after a minimize call whose
+        check of the taps failed: "autodiff: <why>" too."""
+        used = self._linearization_used
+        if (used == lm_minimize.CHECKED and self._taps_apart is not None
+                and tf.executing_eagerly() and not int(self._taps_apart.numpy())):
+            return lm_minimize.MIXED
+        return used
+
+    def _set_linearization_used(self, used, per_example=None):
+        """Records ``used`` (logged when it changes) and, for minimize's
+        checked taps, the check's outcome ``per_example`` (a bool tensor)."""
+        if used != self._linearization_used:
+            tf.get_logger().info("LevenbergMarquardt linearises with %s", used)
+            object.__setattr__(self, "_linearization_used", used)
+        if per_example is None:
+            return
+        if self._taps_apart is None:
+            with tf.init_scope():  # int64: a compiled step on a GPU reaches it
+                object.__setattr__(self, "_taps_apart", tf.Variable(
+                    1, dtype=tf.int64, trainable=False, name="taps_apart"))
+        self._taps_apart.assign(tf.cast(per_example, tf.int64))
+
     # ------------------------------------------------------------- the step
-    def minimize(self, residual_fn, var_list, tape=None):
+    def minimize(self, residual_fn, var_list, tape=None, model=None):
         """One LM iteration on ``0.5 * sum(residual_fn()**2)``.
 
         Args:
           residual_fn: zero-argument callable returning residuals (any shape).
           var_list: the variables to update.
           tape: not used (LM computes its own Jacobian); must be None.
+          model: optional, the Keras model whose layers ``residual_fn`` calls:
+            with ``linearization`` "auto" or "taps" the Jacobian then comes
+            from its layers' taps where they cover ``var_list``, for
+            residuals whose first axis is the model's examples, each
+            residual depending on its own example only. That is checked
+            each call (one more backward pass); a call whose check fails
+            forms the Jacobian by automatic differentiation, as without
+            ``model`` (`lm_minimize`; ``linearization_used`` says which).
 
         Returns:
           The cost ``0.5 * sum r^2`` after the iteration.
@@ -384,8 +410,8 @@ class LevenbergMarquardt(FitStep):
         # Plain attribute (no Keras tracking): trace-time Python state.
         object.__setattr__(self, "_step_support", self._support(var_list, tf_vars))
         object.__setattr__(self, "_step_constrain", variable_constraints(var_list))
-        lin = linearize_for(self.solver, residual_fn, tf_vars, dtype,
-                            self._step_support)
+        lin = lm_minimize.linearize(self, residual_fn, var_list, tf_vars, dtype,
+                                    model, self._step_support)
         local_cost = lambda: lm_losses.half_sum_sq(residual_fn(), dtype)  # noqa: E731
         ctx = tf.distribute.get_replica_context()
         if ctx is not None and tf.distribute.get_strategy().num_replicas_in_sync > 1:
@@ -480,67 +506,6 @@ class LevenbergMarquardt(FitStep):
             lambda r, c: tf.where(fired, r, c), self.controller.restrain(control),
             control)
         return _Restraint(control, fired)
-
-    def _support(self, variables, tf_vars):
-        """The parameters to solve for, when `pruning.MaskAware` handed this
-        optimizer its masks (``self.masks``): only the unpruned weights.
-
-        The Jacobian then has one column per unpruned weight, so at 80%
-        sparsity the damped system is 5x smaller. The system's size is read
-        from the masks when the step is traced (eagerly: every step); a traced
-        step keeps it, padding with frozen entries as more weights are pruned,
-        so after a pruning schedule ends, re-trace (e.g.
-        ``model.make_train_function(force=True)``) to get the full saving.
-        """
-        if self.subset is not None:
-            if self.masks is not None:
-                raise ValueError(
-                    "LevenbergMarquardt: `subset` chooses the parameters each step "
-                    "solves for, and so do the pruning masks it was handed; use "
-                    "one of the two (subset=None under pruning).")
-            return self._subset_support(variables, tf_vars)
-        if self.masks is None:
-            return None
-        masks = [self.masks.mask_for(v, cast=False) for v in variables]
-        if all(m is None for m in masks):
-            return None
-        parts, capacity = [], 0
-        for v, m in zip(tf_vars, masks):
-            n = v.shape.num_elements()
-            if m is None:
-                parts.append(tf.ones([n], tf.float32))
-                capacity += n
-                continue
-            parts.append(tf.reshape(tf.cast(tf.not_equal(m, 0), tf.float32), [-1]))
-            capacity += _count_nonzero_now(m, n)
-        return lin_lib.support_from_mask(tf.concat(parts, axis=0), max(capacity, 1))
-
-    def _subset_support(self, variables, tf_vars):
-        """`subset`'s parameters for this step (from ``iterations``)."""
-        sizes = [v.shape.num_elements() for v in tf_vars]
-        total = sum(sizes)
-        step = tf.cast(self.iterations, tf.int64)
-        if self.subset == "layers":
-            groups = {}
-            offset = 0
-            for v, n in zip(variables, sizes):
-                path = self._path(v).split(":")[0]
-                layer = path.rsplit("/", 1)[0] if "/" in path else path
-                groups.setdefault(layer, []).append((offset, n))
-                offset += n
-            indices = [np.concatenate([np.arange(o, o + n) for o, n in parts])
-                       for parts in groups.values()]
-            capacity = max(len(i) for i in indices)
-            table = np.stack([np.pad(i, (0, capacity - len(i)), mode="edge")
-                              for i in indices]).astype(np.int32)
-            valid = np.stack([np.arange(capacity) < len(i) for i in indices])
-            which = tf.cast(step % len(indices), tf.int32)
-            return lin_lib.Support(indices=tf.gather(tf.constant(table), which),
-                                   valid=tf.gather(tf.constant(valid), which))
-        k = max(1, int(np.ceil(self.subset * total)))
-        draw = tf.random.stateless_uniform([total], seed=tf.stack([step, step * 0 + 7]))
-        chosen = tf.sort(tf.math.top_k(draw, k=k, sorted=False).indices)
-        return lin_lib.Support(indices=chosen, valid=tf.ones([k], tf.bool))
 
     def _distributed_iterate(self, ctx, lin, local_cost, args, tf_vars, size,
                              per_example=None):
@@ -643,13 +608,3 @@ def _no_step(lin):
         cost=lin.cost, new_cost=lin.cost, accepted=tf.constant(False),
         attempts=tf.constant(0), step_norm=zero, gradient_norm=zero, rho=zero,
         predicted=zero, first_step_norm=zero, last_step_norm=zero)
-
-
-def _count_nonzero_now(mask, size):
-    """Non-zeros of a mask variable at trace time; ``size`` if it cannot be
-    read then (a graph tensor), which keeps every entry in the system."""
-    try:
-        with tf.init_scope():
-            return int(tf.math.count_nonzero(tf.convert_to_tensor(mask)).numpy())
-    except Exception:  # noqa: BLE001 - a symbolic tensor: no value yet
-        return size

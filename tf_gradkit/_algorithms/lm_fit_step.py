@@ -9,7 +9,7 @@ runs the iteration (`LevenbergMarquardt._iterate`, or across replicas
 `_distributed_iterate`) and returns the step's logs.
 
 `FitStep` uses what the algorithm class has: ``solver``, ``chunk_size``,
-``subset``, ``masks``, ``linearization``, ``linearization_used``,
+``subset``, ``masks``, ``linearization``, ``_set_linearization_used``,
 ``residuals``, ``_residuals_unsaved``, ``_lm_vars``, ``_skipped``,
 ``build``, ``_support``, ``_iterate``, ``_distributed_iterate`` and the host
 hooks ``_unpack``, ``_report`` and ``_tf_variable``.
@@ -282,8 +282,5 @@ class FitStep:
                 "LevenbergMarquardt: linearization='taps', but the Jacobian cannot "
                 f"be formed from layer taps: {why}. Use linearization='auto' (it "
                 "falls back to automatic differentiation) or 'autodiff'.")
-        used = "taps" if steps is not None else f"autodiff: {why}"
-        if used != self.linearization_used:
-            tf.get_logger().info("LevenbergMarquardt linearises with %s", used)
-            object.__setattr__(self, "linearization_used", used)
+        self._set_linearization_used("taps" if steps is not None else f"autodiff: {why}")
         return steps

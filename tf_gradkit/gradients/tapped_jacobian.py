@@ -22,6 +22,7 @@ back, and the caller linearises by automatic differentiation instead.
 import contextlib
 from typing import Callable, NamedTuple, Optional
 
+import numpy as np
 import tensorflow as tf
 
 from tf_gradkit import _layer_taps as _taps
@@ -29,7 +30,8 @@ from tf_gradkit.core import jacobian_rows
 from tf_gradkit.gradients import norm_rules
 from tf_gradkit.gradients import per_example
 
-__all__ = ["JacobianRule", "RULES", "plan", "residuals_and_jacobian"]
+__all__ = ["JacobianRule", "RULES", "plan", "residuals_and_jacobian",
+           "checked_residuals_and_jacobian"]
 
 
 class JacobianRule(NamedTuple):
@@ -207,35 +209,79 @@ def plan(model, variables, training=True):
     return steps, None
 
 
-def _tapped_pass(steps, residual_rows, dtype):
+def _tapped_pass(steps, residual_rows, dtype, by_batch=False, check=False):
     """One forward pass with the taps on and ``m`` backward passes (one per
     residual column, or one vectorised pass): ``(rows [B, m], records,
-    grads)``, ``records[id(layer)]`` each call's taps and ``grads`` an
-    iterator over each call's output gradients ``[m, B, ...]``, in
-    ``steps``' order."""
+    grads, per_example)``, ``records[id(layer)]`` each call's taps,
+    ``grads`` an iterator over each call's output gradients ``[m, B, ...]``,
+    in ``steps``' order, and ``apart`` None, or with ``check`` the
+    check of `checked_residuals_and_jacobian` (a bool tensor).
+    ``by_batch``: ``residual_rows()`` has any shape, example ``i``'s
+    residuals its ``i``-th slice along the first axis (``B`` read from the
+    taps)."""
     records = {id(layer): [] for layer, _ in steps}
     with contextlib.ExitStack() as stack:
         stack.enter_context(per_example._Taps(steps, records))  # pylint: disable=protected-access
-        tape = stack.enter_context(tf.GradientTape())
+        tape = stack.enter_context(tf.GradientTape(persistent=check))
         rows = tf.cast(residual_rows(), dtype)
+        if by_batch:
+            rows = tf.reshape(rows, [_tapped_batch(steps, records), -1])
         totals = tf.reduce_sum(rows, 0)
+        if check:
+            scales = _example_scales(tf.shape(rows)[0], dtype)
+            weighted = tf.reduce_sum(scales[:, None] * rows, 0)
     outputs = [r["output"] for layer, _ in steps for r in records[id(layer)]]
+    grads = _output_gradients(tape, totals, outputs, rows.shape[1])
+    apart = None
+    if check:
+        apart = _scaled_alike(
+            grads, _output_gradients(tape, weighted, outputs, rows.shape[1]), scales)
+        del tape
+    return rows, records, iter(grads), apart
+
+
+def _output_gradients(tape, totals, outputs, columns):
+    """``d totals_k / d output`` for each output, ``[m, B, ...]``."""
     zero = tf.UnconnectedGradients.ZERO
-    if rows.shape[1] == 1:
-        grads = [g[None] for g in tape.gradient(totals, outputs,
-                                                unconnected_gradients=zero)]
-    else:
-        grads = tape.jacobian(totals, outputs, unconnected_gradients=zero,
-                              experimental_use_pfor=True)
-    grads = iter(grads)
-    return rows, records, grads
+    if columns == 1:
+        return [g[None] for g in tape.gradient(totals, outputs,
+                                               unconnected_gradients=zero)]
+    return tape.jacobian(totals, outputs, unconnected_gradients=zero,
+                         experimental_use_pfor=True)
 
 
-def residuals_and_jacobian(steps, variables, residual_rows, dtype):
-    """``(r [B*m], J [B*m, P])`` of ``residual_rows() -> [B, m]`` (which runs
-    the model) from taps, the columns in ``variables``' order, rows in
-    ``r``'s (example-major)."""
-    rows, records, grads = _tapped_pass(steps, residual_rows, dtype)
+def _tapped_batch(steps, records):
+    """The batch the first tapped layer saw (static where known)."""
+    layer = steps[0][0]
+    output = tf.convert_to_tensor(records[id(layer)][0]["output"])
+    return output.shape[0] if output.shape[0] is not None else tf.shape(output)[0]
+
+
+def _example_scales(batch, dtype):
+    """A fixed pseudo-random power of two, 2^-6 to 2^6, per example: scaling
+    by one is exact in floating point (TF32 included)."""
+    powers = tf.random.stateless_uniform([batch], seed=[29, 32], minval=-6,
+                                         maxval=7, dtype=tf.int32)
+    return tf.pow(tf.constant(2.0, dtype), tf.cast(powers, dtype))
+
+
+def _scaled_alike(grads, weighted, scales):
+    """Whether every ``weighted`` output gradient is ``grads``' with example
+    ``i``'s part times ``scales[i]``, to 256 ulps of the largest entry."""
+    worst, largest, eps = [], [], 0.0
+    for g, w in zip(grads, weighted):
+        shape = tf.concat([[1, -1], tf.ones([tf.rank(g) - 2], tf.int32)], 0)
+        want = g * tf.cast(tf.reshape(scales, shape), g.dtype)
+        worst.append(tf.cast(tf.reduce_max(tf.abs(w - want)), tf.float64))
+        largest.append(tf.cast(tf.reduce_max(tf.abs(want)), tf.float64))
+        eps = max(eps, float(np.finfo(g.dtype.as_numpy_dtype).eps))
+    if not worst:
+        return tf.constant(True)
+    # NaN in either fails the comparison, and falls back.
+    return tf.reduce_max(tf.stack(worst)) <= 256 * eps * tf.reduce_max(tf.stack(largest))
+
+
+def _jacobian_of(steps, variables, rows, records, grads, dtype):
     by_id = {}
     for layer, rule in steps:
         calls = [(r, next(grads)) for r in records[id(layer)]]
@@ -247,8 +293,38 @@ def residuals_and_jacobian(steps, variables, residual_rows, dtype):
     n = tf.size(rows)
     blocks = [tf.reshape(by_id[id(v)], [n, -1]) if id(v) in by_id
               else tf.zeros([n, v.shape.num_elements()], dtype) for v in variables]
-    jacobian = blocks[0] if len(blocks) == 1 else tf.concat(blocks, 1)
-    return tf.reshape(rows, [-1]), jacobian
+    return blocks[0] if len(blocks) == 1 else tf.concat(blocks, 1)
+
+
+def residuals_and_jacobian(steps, variables, residual_rows, dtype):
+    """``(r [B*m], J [B*m, P])`` of ``residual_rows() -> [B, m]`` (which runs
+    the model) from taps, the columns in ``variables``' order, rows in
+    ``r``'s (example-major)."""
+    rows, records, grads, _ = _tapped_pass(steps, residual_rows, dtype)
+    return tf.reshape(rows, [-1]), _jacobian_of(steps, variables, rows, records,
+                                                grads, dtype)
+
+
+def checked_residuals_and_jacobian(steps, variables, residual_fn, dtype):
+    """``(r [N], J [N, P], per_example)`` of ``residual_fn()`` (any shape,
+    example ``i``'s residuals its ``i``-th slice along the first axis, ``i``
+    the example the tapped layers see at position ``i``) from taps, checked.
+
+    The taps' rows are right only when no residual depends on another
+    example than its own, which an opaque function need not honour (a mean
+    over the batch, a batch statistic, a layout that is not example-major).
+    ``per_example`` (a bool tensor) checks it: a second backward pass, of
+    the residuals weighted per example by fixed pseudo-random powers of two
+    ``c_i``, must give each tapped layer's output gradient of example ``i``
+    times ``c_i``, which holds exactly (a power of two scales exactly) when
+    the examples stay apart, and fails by the mixed part otherwise. Where it
+    is False the returned J is wrong and the caller must form another. Costs
+    one more backward pass (``m`` for ``m`` residuals per example).
+    """
+    rows, records, grads, per_example = _tapped_pass(
+        steps, residual_fn, dtype, by_batch=True, check=True)
+    return (tf.reshape(rows, [-1]),
+            _jacobian_of(steps, variables, rows, records, grads, dtype), per_example)
 
 
 def matrix_free(steps, variables, residual_rows, dtype):
@@ -256,7 +332,7 @@ def matrix_free(steps, variables, residual_rows, dtype):
     the taps of one forward and ``m`` backward passes: each product is a
     few contractions of the stored layer inputs and output gradients (rows
     are formed only for layers whose rule has no ``products``)."""
-    rows, records, grads = _tapped_pass(steps, residual_rows, dtype)
+    rows, records, grads, _ = _tapped_pass(steps, residual_rows, dtype)
     index = {id(v): i for i, v in enumerate(variables)}
     sizes = [v.shape.num_elements() for v in variables]
     parts = []  # (variable positions, jvp, vjp)
