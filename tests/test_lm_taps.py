@@ -370,15 +370,20 @@ MINIMIZE_RESIDUALS = {
     # A batch mean (the taps' rows would miss its cross terms), and a layout
     # whose first axis is not the examples'.
     "batch_mean": lambda m, x, y: m(x) - tf.reduce_mean(m(x), 0) - y,
-    "transposed": lambda m, x, y: tf.transpose(m(x) - y),
+    "transposed": lambda m, x, y: tf.transpose(m(x) - y),  # [2, 12]
+    # A weight itself in every residual: a path the taps do not see.
+    "penalty": lambda m, x, y: m(x) - y + 0.5 * m.layers[0].kernel[0, 0],
+    # A penalty row: not one row per example (refused when traced).
+    "extra_row": lambda m, x, y: tf.concat(
+        [m(x) - y, 0.5 * tf.reshape(m.layers[0].kernel[0, :2], [1, 2])], 0),
 }
 
 
 @pytest.mark.parametrize("kind,mode_", [
     ("per_example", "eager"), ("per_example", "jit"), ("batch_mean", "eager"),
-    ("transposed", "jit"),
+    ("penalty", "jit"), ("transposed", "eager"), ("extra_row", "eager"),
     pytest.param("batch_mean", "jit", marks=pytest.mark.slow),
-    pytest.param("transposed", "eager", marks=pytest.mark.slow)])
+    pytest.param("penalty", "eager", marks=pytest.mark.slow)])
 def test_minimize_checked_taps_equal_autodiff(K, gk, mode_, kind):
     residuals = MINIMIZE_RESIDUALS[kind]
     step, used = _minimize_once(K, gk, mode_, residuals, "auto")
@@ -386,6 +391,8 @@ def test_minimize_checked_taps_equal_autodiff(K, gk, mode_, kind):
     step_ref, used_ref = _minimize_once(K, gk, "eager", residuals, "autodiff")
     if kind == "per_example":
         assert used == "taps (checked per example)", used
+    elif kind in ("extra_row", "transposed"):  # seen when traced
+        assert used.startswith("autodiff: the residuals' first axis"), used
     else:  # the check failed: this call took the autodiff Jacobian
         assert used.startswith("autodiff: the residuals of `residual_fn` are not "
                                "per example"), used

@@ -57,11 +57,15 @@ def linearize(optimizer, residual_fn, variables, tf_vars, dtype, model, support)
             "or functional model of layers with a tap rule, owning every variable "
             "of `var_list`), or use linearization='auto' (it falls back to "
             "automatic differentiation) or 'autodiff'.")
+    if steps is not None:
+        try:
+            r, jac, per_example = tapped_jacobian.checked_residuals_and_jacobian(
+                steps, variables, residual_fn, dtype)
+        except tapped_jacobian.NotByExample as error:
+            steps, why = None, str(error)
     if steps is None:
         optimizer._set_linearization_used(f"autodiff: {why}")
         return linearize_for(optimizer.solver, residual_fn, tf_vars, dtype, support)
-    r, jac, per_example = tapped_jacobian.checked_residuals_and_jacobian(
-        steps, variables, residual_fn, dtype)
 
     def autodiff():
         return lin_lib.residuals_and_jacobian(residual_fn, tf_vars, dtype,

@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from tf_gradkit import _layer_taps as _taps
 from tf_gradkit.core import jacobian_rows
+from tf_gradkit.core import precision
 from tf_gradkit.gradients import norm_rules
 from tf_gradkit.gradients import per_example
 
@@ -225,7 +226,7 @@ def _tapped_pass(steps, residual_rows, dtype, by_batch=False, check=False):
         tape = stack.enter_context(tf.GradientTape(persistent=check))
         rows = tf.cast(residual_rows(), dtype)
         if by_batch:
-            rows = tf.reshape(rows, [_tapped_batch(steps, records), -1])
+            rows = tf.reshape(rows, [_tapped_batch(steps, records, rows), -1])
         totals = tf.reduce_sum(rows, 0)
         if check:
             scales = _example_scales(tf.shape(rows)[0], dtype)
@@ -236,7 +237,7 @@ def _tapped_pass(steps, residual_rows, dtype, by_batch=False, check=False):
     if check:
         apart = _scaled_alike(
             grads, _output_gradients(tape, weighted, outputs, rows.shape[1]), scales)
-        del tape
+        apart = (apart, tape, weighted, scales)
     return rows, records, iter(grads), apart
 
 
@@ -250,11 +251,21 @@ def _output_gradients(tape, totals, outputs, columns):
                          experimental_use_pfor=True)
 
 
-def _tapped_batch(steps, records):
-    """The batch the first tapped layer saw (static where known)."""
-    layer = steps[0][0]
-    output = tf.convert_to_tensor(records[id(layer)][0]["output"])
-    return output.shape[0] if output.shape[0] is not None else tf.shape(output)[0]
+class NotByExample(ValueError):
+    """The residuals' first axis is not (statically) the tapped batch."""
+
+
+def _tapped_batch(steps, records, residuals):
+    """The batch the tapped layers saw, which must be the (static) length
+    of the residuals' first axis; else `NotByExample`."""
+    calls = [r for layer, _ in steps for r in records[id(layer)]]
+    batches = {tf.convert_to_tensor(r["output"]).shape[0] for r in calls}
+    first = residuals.shape[0] if residuals.shape.rank else None
+    if len(batches) != 1 or None in batches or first not in batches:
+        raise NotByExample(
+            f"the residuals' first axis ({first}) is not the batch the tapped "
+            f"layers saw ({sorted(batches, key=str)}), known when traced")
+    return first
 
 
 def _example_scales(batch, dtype):
@@ -310,21 +321,53 @@ def checked_residuals_and_jacobian(steps, variables, residual_fn, dtype):
     example ``i``'s residuals its ``i``-th slice along the first axis, ``i``
     the example the tapped layers see at position ``i``) from taps, checked.
 
-    The taps' rows are right only when no residual depends on another
-    example than its own, which an opaque function need not honour (a mean
-    over the batch, a batch statistic, a layout that is not example-major).
-    ``per_example`` (a bool tensor) checks it: a second backward pass, of
-    the residuals weighted per example by fixed pseudo-random powers of two
-    ``c_i``, must give each tapped layer's output gradient of example ``i``
-    times ``c_i``, which holds exactly (a power of two scales exactly) when
-    the examples stay apart, and fails by the mixed part otherwise. Where it
-    is False the returned J is wrong and the caller must form another. Costs
-    one more backward pass (``m`` for ``m`` residuals per example).
+    The taps' rows are right only when each residual depends on the
+    variables through the tapped layers' outputs for its own example alone,
+    which an opaque function need not honour (a batch mean, a batch
+    statistic, a layout that is not example-major, a penalty on the weights
+    themselves). ``per_example`` (a bool tensor) checks both halves, with
+    one more backward pass of the residuals weighted per example by fixed
+    pseudo-random powers of two ``c_i``:
+
+    - each tapped layer's output gradient for example ``i`` must be the
+      unweighted pass's times ``c_i``: exact (a power of two scales
+      exactly, TF32 included) when the examples stay apart, off by the
+      mixed part otherwise;
+    - the variables' gradient of that weighted sum (reverse mode, whatever
+      the paths) must equal ``J^T w`` from the tapped rows (``w``: each
+      residual's ``c_i``) to the round-off of the sums, per parameter: a
+      path that bypasses the taps is missing from ``J^T w``.
+
+    Where it is False the returned J is wrong and the caller must form
+    another. Costs one more backward pass (``m`` for ``m`` residuals per
+    example).
+
+    Raises:
+      NotByExample: the residuals' first axis is not statically the batch
+        every tapped layer call saw.
     """
-    rows, records, grads, per_example = _tapped_pass(
+    rows, records, grads, (apart, tape, weighted, scales) = _tapped_pass(
         steps, residual_fn, dtype, by_batch=True, check=True)
-    return (tf.reshape(rows, [-1]),
-            _jacobian_of(steps, variables, rows, records, grads, dtype), per_example)
+    jacobian = _jacobian_of(steps, variables, rows, records, grads, dtype)
+    true = tape.gradient(weighted, list(variables),
+                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    del tape
+    true = tf.concat([tf.reshape(tf.cast(g, dtype), [-1]) for g in true], 0)
+    w = tf.reshape(tf.broadcast_to(scales[:, None], tf.shape(rows)), [-1])
+    tapped = tf.linalg.matvec(jacobian, w, transpose_a=True)
+    terms = tf.linalg.matvec(tf.abs(jacobian), tf.abs(w), transpose_a=True)
+    # Each side sums the same N products of the model's values in its own
+    # order: their inputs rounded to the products' unit (TF32's 2^-11 where
+    # a GPU may use it), the sums accumulated in the model's precision.
+    model_dtype = tf.as_dtype(variables[0].dtype)
+    accumulate = float(np.finfo(model_dtype.as_numpy_dtype).eps) / 2
+    inputs = (2.0 ** -11 if model_dtype == tf.float32 and precision.tf32_may_apply()
+              else accumulate)
+    per_term = tf.cast(16 * inputs, dtype) + tf.cast(4 * accumulate, dtype) * tf.sqrt(
+        tf.cast(tf.size(rows), dtype))
+    bound = per_term * (terms + tf.reduce_max(terms) * 2.0 ** -20)
+    complete = tf.reduce_all(tf.abs(tapped - true) <= bound)
+    return tf.reshape(rows, [-1]), jacobian, tf.logical_and(apart, complete)
 
 
 def matrix_free(steps, variables, residual_rows, dtype):
