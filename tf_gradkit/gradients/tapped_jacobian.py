@@ -268,10 +268,10 @@ def _tapped_batch(steps, records, residuals):
     return first
 
 
-def _example_scales(batch, dtype):
+def _example_scales(batch, dtype, seed=(29, 32)):
     """A fixed pseudo-random power of two, 2^-6 to 2^6, per example: scaling
     by one is exact in floating point (TF32 included)."""
-    powers = tf.random.stateless_uniform([batch], seed=[29, 32], minval=-6,
+    powers = tf.random.stateless_uniform([batch], seed=list(seed), minval=-6,
                                          maxval=7, dtype=tf.int32)
     return tf.pow(tf.constant(2.0, dtype), tf.cast(powers, dtype))
 
@@ -333,10 +333,11 @@ def checked_residuals_and_jacobian(steps, variables, residual_fn, dtype):
       unweighted pass's times ``c_i``: exact (a power of two scales
       exactly, TF32 included) when the examples stay apart, off by the
       mixed part otherwise;
-    - the variables' gradient of that weighted sum (reverse mode, whatever
-      the paths) must equal ``J^T w`` from the tapped rows (``w``: each
-      residual's ``c_i``) to the round-off of the sums, per parameter: a
-      path that bypasses the taps is missing from ``J^T w``.
+    - the variables' gradient of that sum with column ``k`` also weighted
+      by a power of two ``d_k`` (reverse mode, whatever the paths) must
+      equal ``J^T w`` from the tapped rows (``w_ik = c_i d_k``) to the
+      round-off of the sums, per parameter: a path that bypasses the taps
+      is missing from ``J^T w``.
 
     Where it is False the returned J is wrong and the caller must form
     another. Costs one more backward pass (``m`` for ``m`` residuals per
@@ -349,11 +350,13 @@ def checked_residuals_and_jacobian(steps, variables, residual_fn, dtype):
     rows, records, grads, (apart, tape, weighted, scales) = _tapped_pass(
         steps, residual_fn, dtype, by_batch=True, check=True)
     jacobian = _jacobian_of(steps, variables, rows, records, grads, dtype)
-    true = tape.gradient(weighted, list(variables),
+    # Columns weighted too (powers of two d_k): w_ik = c_i d_k.
+    columns = _example_scales(tf.shape(rows)[1], dtype, seed=[32, 29])
+    true = tape.gradient(weighted, list(variables), output_gradients=columns,
                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
     del tape
     true = tf.concat([tf.reshape(tf.cast(g, dtype), [-1]) for g in true], 0)
-    w = tf.reshape(tf.broadcast_to(scales[:, None], tf.shape(rows)), [-1])
+    w = tf.reshape(scales[:, None] * columns[None, :], [-1])
     tapped = tf.linalg.matvec(jacobian, w, transpose_a=True)
     terms = tf.linalg.matvec(tf.abs(jacobian), tf.abs(w), transpose_a=True)
     # Each side sums the same N products of the model's values in its own
