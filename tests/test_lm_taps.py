@@ -269,12 +269,9 @@ def _cg_bound(model, x, y):
 
 
 def test_fit_step_cg_equals_autodiff(K):
-    # One attempt: the autodiff matrix-free products are evaluated wherever
-    # the variables are, which after a rejected attempt is its trial point
-    # (the tapped ones stay at the linearisation point), so later attempts
-    # differ by design. A tight CG tolerance (it converges in ~20 of its
-    # 100 iterations here), so that the stopping rule's bound is small
-    # enough to catch wrong products.
+    # One attempt, at lambda = 1 (the bound's lambda). A tight CG tolerance
+    # (it converges in ~20 of its 100 iterations here), so that the
+    # stopping rule's bound is small enough to catch wrong products.
     _one_step(K, "jit", solver=ConjugateGradient(100, CG_TOLERANCE),
               scaling="levenberg", max_attempts=1, initial_damping=1.0,
               atol=_cg_bound)
