@@ -201,7 +201,9 @@ class LevenbergMarquardt(FitStep, Supports):
         under the compiled loss, a solver that forms J^T J or J), else by
         automatic differentiation (one forward-mode product per parameter);
         "taps": the taps or an error saying why not; "autodiff": never the
-        taps. What the last traced step used is ``linearization_used``.
+        taps. ``minimize`` too, when given ``model=`` (each call checks that
+        its residuals are per example, else uses autodiff). What the last
+        traced step used is ``linearization_used``.
       initial_damping: the first lambda (default: the controller's, 1e-3),
         for a controller that has one ("nielsen", "multiply_divide"); the
         trust region sets lambda from its radius and refuses it. Saved as
