@@ -9,8 +9,10 @@ import pytest
 import tensorflow as tf
 
 from tf_gradkit.core.lm import linearize as lin_lib
+from tf_gradkit.core.lm.linear_solvers import ConjugateGradient
 from tf_gradkit.gradients import tapped_jacobian
 
+from conftest import compile_fn
 from helpers import float32_matmuls, weights_of
 
 
@@ -158,7 +160,10 @@ def _problem(K, loss="mse", outputs=1, seed=0):
 
 
 def _one_step(K, mode, loss="mse", outputs=1, sample_weight=None, masks=False,
-              **kwargs):
+              atol=None, **kwargs):
+    """One fit step with the taps and one by autodiff: equal to within
+    ``atol(model, x, y)`` at the starting weights (default: float64
+    round-off, ``1e-8`` times the step's size)."""
     x, y, build = _problem(K, loss, outputs)
     results = []
     for linearization in ("auto", "autodiff"):
@@ -171,6 +176,7 @@ def _one_step(K, mode, loss="mse", outputs=1, sample_weight=None, masks=False,
             model.set_weights([model.get_weights()[0] * mask] + model.get_weights()[1:])
             give_masks(opt, model, tf.Variable(mask))
         before = weights_of(model)
+        bound = None if atol is None else atol(model, x, y)
         model.fit(x, y, sample_weight=sample_weight, batch_size=len(x), epochs=1,
                   shuffle=False, verbose=0)
         step = [a - b for a, b in zip(weights_of(model), before)]
@@ -182,7 +188,8 @@ def _one_step(K, mode, loss="mse", outputs=1, sample_weight=None, masks=False,
     size = max(float(np.max(np.abs(s))) for s in step_ref)
     assert size > 0
     for s, s_ref in zip(step, step_ref):
-        np.testing.assert_allclose(s, s_ref, atol=1e-8 * size)
+        np.testing.assert_allclose(s, s_ref, atol=1e-8 * size if bound is None
+                                   else bound)
 
 
 def test_fit_step_equals_autodiff(K, mode):
@@ -240,13 +247,34 @@ def test_matrix_free_products_equal_the_jacobian(K, kind):
     np.testing.assert_allclose(matvec(v), want, atol=1e-5 * float(np.max(np.abs(want))))
 
 
+CG_TOLERANCE = 1e-10
+
+
+def _cg_bound(model, x, y):
+    """How far two CG steps on the same system may differ: CG stops once
+    ``|A d + b| <= tolerance * |b|`` (`linear_solvers.ConjugateGradient`),
+    so each step is within ``|A^-1| tolerance |b| <= tolerance |b| / lambda``
+    of the exact one (``A = J^T J + lambda I``, lambda = 1 here), whatever
+    the iteration each stops at: operators equal to round-off (other
+    reduction orders, as on a GPU) can stop an iteration apart. Plus
+    float64 round-off (|d| <= |b| / lambda). Here the bound is ~7e-9 of the
+    step's size; a product 1e-4 off (relative: J^T J scaled, perturbed or
+    formed from perturbed rows, or J^T r scaled) moves the step by 8e-5 to
+    3e-3 of its size."""
+    with tf.GradientTape() as tape:  # b = J^T r = the gradient of 0.5 |r|^2
+        cost = 0.5 * tf.reduce_sum(tf.square(model(x) - y))
+    b = np.concatenate([np.ravel(g) for g in tape.gradient(
+        cost, model.trainable_variables)])
+    return (2 * CG_TOLERANCE + 1e-12) * float(np.linalg.norm(b)) / 1.0
+
+
 def test_fit_step_cg_equals_autodiff(K):
-    # One attempt: the autodiff matrix-free products are evaluated wherever
-    # the variables are, which after a rejected attempt is its trial point
-    # (the tapped ones stay at the linearisation point), so later attempts
-    # differ by design.
-    _one_step(K, "jit", solver="cg", scaling="levenberg", max_attempts=1,
-              initial_damping=1.0)
+    # One attempt, at lambda = 1 (the bound's lambda). A tight CG tolerance
+    # (it converges in ~20 of its 100 iterations here), so that the
+    # stopping rule's bound is small enough to catch wrong products.
+    _one_step(K, "jit", solver=ConjugateGradient(100, CG_TOLERANCE),
+              scaling="levenberg", max_attempts=1, initial_damping=1.0,
+              atol=_cg_bound)
 
 
 @pytest.mark.distributed
@@ -314,3 +342,73 @@ def test_linearization_argument(gk):
     opt = gk.LevenbergMarquardt(linearization="autodiff")
     assert opt.get_config()["linearization"] == "autodiff"
     assert gk.LevenbergMarquardt.from_config(opt.get_config()).linearization == "autodiff"
+
+
+# ------------------------------------------------- minimize(..., model=)
+def _minimize_once(K, gk, mode, residuals, linearization, solver="cholesky"):
+    """One minimize step on a float64 MLP: (step, linearization_used)."""
+    rng = np.random.RandomState(0)
+    x, y = tf.constant(rng.randn(12, 3)), tf.constant(rng.randn(12, 2))
+    model = K.Sequential([K.Input((3,), dtype="float64"),
+                          K.layers.Dense(4, activation="tanh", dtype="float64"),
+                          K.layers.Dense(2, dtype="float64")])
+    _randomise(model, seed=1)
+    opt = gk.LevenbergMarquardt(linearization=linearization, solver=solver)
+    variables = model.trainable_variables
+    step = compile_fn(lambda: opt.minimize(lambda: residuals(model, x, y), variables,
+                                           model=model), mode)
+    before = weights_of(model)
+    step()
+    return [a - b for a, b in zip(weights_of(model), before)], opt.linearization_used
+
+
+MINIMIZE_RESIDUALS = {
+    "per_example": lambda m, x, y: m(x) - y,
+    # A batch mean (the taps' rows would miss its cross terms), and a layout
+    # whose first axis is not the examples'.
+    "batch_mean": lambda m, x, y: m(x) - tf.reduce_mean(m(x), 0) - y,
+    "transposed": lambda m, x, y: tf.transpose(m(x) - y),  # [2, 12]
+    # A weight itself in every residual: a path the taps do not see.
+    "penalty": lambda m, x, y: m(x) - y + 0.5 * m.layers[0].kernel[0, 0],
+    # A penalty row: not one row per example (refused when traced).
+    "extra_row": lambda m, x, y: tf.concat(
+        [m(x) - y, 0.5 * tf.reshape(m.layers[0].kernel[0, :2], [1, 2])], 0),
+}
+
+
+@pytest.mark.parametrize("kind,mode_", [
+    ("per_example", "eager"), ("per_example", "jit"), ("batch_mean", "eager"),
+    ("penalty", "jit"), ("transposed", "eager"), ("extra_row", "eager"),
+    pytest.param("batch_mean", "jit", marks=pytest.mark.slow),
+    pytest.param("penalty", "eager", marks=pytest.mark.slow)])
+def test_minimize_checked_taps_equal_autodiff(K, gk, mode_, kind):
+    residuals = MINIMIZE_RESIDUALS[kind]
+    step, used = _minimize_once(K, gk, mode_, residuals, "auto")
+    # (The reference eagerly: one XLA compilation fewer, the same math.)
+    step_ref, used_ref = _minimize_once(K, gk, "eager", residuals, "autodiff")
+    if kind == "per_example":
+        assert used == "taps (checked per example)", used
+    elif kind in ("extra_row", "transposed"):  # seen when traced
+        assert used.startswith("autodiff: the residuals' first axis"), used
+    else:  # the check failed: this call took the autodiff Jacobian
+        assert used.startswith("autodiff: the residuals of `residual_fn` are not "
+                               "per example"), used
+    assert used_ref == "autodiff: linearization='autodiff'"
+    size = max(float(np.max(np.abs(s))) for s in step_ref)
+    assert size > 0
+    for s, s_ref in zip(step, step_ref):  # float64: one step's round-off
+        np.testing.assert_allclose(s, s_ref, atol=1e-8 * size)
+
+
+def test_minimize_taps_need_a_model(K, gk):
+    model = K.Sequential([K.Input((3,)), K.layers.Dense(1)])
+    x = tf.constant(np.random.RandomState(0).randn(5, 3).astype("float32"))
+    opt = gk.LevenbergMarquardt()
+    opt.minimize(lambda: model(x), model.trainable_variables)
+    assert opt.linearization_used.startswith("autodiff: minimize was given no `model=`")
+    with pytest.raises(ValueError, match="linearization='taps'.*no `model=`"):
+        gk.LevenbergMarquardt(linearization="taps").minimize(
+            lambda: model(x), model.trainable_variables)
+    with pytest.raises(ValueError, match="linearization='taps'.*matrix-free"):
+        gk.LevenbergMarquardt(linearization="taps", solver="cg", scaling="levenberg") \
+            .minimize(lambda: model(x), model.trainable_variables, model=model)

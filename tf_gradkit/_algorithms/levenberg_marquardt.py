@@ -10,20 +10,22 @@ var_list)``. Plain ``apply_gradients`` raises, saying how to use it.
 
 from typing import NamedTuple
 
-import numpy as np
 import tensorflow as tf
 
 from tf_gradkit import _model_hooks
 from tf_gradkit import _optimizer_tree
 from tf_gradkit._algorithms import lm_losses
+from tf_gradkit._algorithms import lm_minimize
+from tf_gradkit._algorithms.lm_support import Supports, check_subset
+from tf_gradkit._algorithms.lm_fit_step import (
+    FitStep, check_residuals, linearize_for, require_normal_equations,  # noqa: F401
+    variable_constraints)
 from tf_gradkit._algorithms.wrapper import unexpected_arguments
 from tf_gradkit.core.lm import damping as damping_lib
-from tf_gradkit.core.lm import ggn as ggn_lib
 from tf_gradkit.core.lm import linearize as lin_lib
 from tf_gradkit.core.lm import parts as parts_lib
 from tf_gradkit.core.lm import linear_solvers as solvers_lib
 from tf_gradkit.core.lm import step as step_lib
-from tf_gradkit.gradients import tapped_jacobian
 
 USAGE = (
     "LevenbergMarquardt needs residuals and their Jacobian, not gradients. "
@@ -43,27 +45,16 @@ CUSTOM_TRAIN_STEP = (
 
 
 # The mini-batch guard restrains the damping when a step kept less than this
-# share of its own batch's decrease (per example) on the next batch. On the
-# diabetes benchmark 0.25, 0.5 and 0.75 ended within each other's seed noise
-# (benchmarks/lm_minibatch.py); a quarter is Moré's "poor step" ratio.
+# share of its own batch's decrease (per example) on the next batch: Moré's
+# "poor step" ratio (other shares measured: docs/levenberg_marquardt.md,
+# "Full batch or mini-batches").
 GUARD_CARRIED = 0.25
 # ... and only watches batches with fewer residuals than this many per
 # solved parameter (under fit, where the count is known): larger batches
 # estimate the whole data's cost well, their steps carry over, and near a
 # minimum the batch-to-batch noise in the tiny decreases would only slow the
-# end of the fit (measured on the sinc benchmark: 61 parameters, batches of
-# 1000 residuals, final MSE 1.8e-4 watched against 3.7e-5 not).
+# end of the fit (measured: docs/levenberg_marquardt.md, same section).
 GUARD_RESIDUALS_PER_PARAMETER = 4
-
-
-def _check_subset(subset):
-    fraction = isinstance(subset, (int, float)) and not isinstance(subset, bool) \
-        and 0 < subset <= 1
-    if subset is not None and subset != "layers" and not fraction:
-        raise ValueError(
-            "LevenbergMarquardt: `subset` must be None (every parameter), a "
-            "fraction in (0, 1] (drawn at random each step) or 'layers' (one "
-            f"layer per step, in turn). Received: subset={subset!r}")
 
 
 LINEARIZATIONS = ("auto", "taps", "autodiff")
@@ -77,19 +68,6 @@ def _check_linearization(linearization):
             "the model's layers allow it (else by automatic differentiation), "
             "'taps' requires the taps, 'autodiff' never uses them. Received: "
             f"linearization={linearization!r}")
-
-
-def _check_residuals(residuals, chunk_size):
-    if residuals is not None and not callable(residuals):
-        raise ValueError(
-            "LevenbergMarquardt: `residuals` must be None or a function "
-            "fn(model, x, y, sample_weight) -> residuals. Received: "
-            f"{type(residuals).__name__}")
-    if residuals is not None and chunk_size is not None:
-        raise ValueError(
-            "LevenbergMarquardt: `chunk_size` pads the last chunk with "
-            "zero-weight rows, which a residual function of your own may not "
-            "honour; use chunk_size=None with `residuals` (or smaller batches).")
 
 
 class _Restraint(NamedTuple):
@@ -142,23 +120,7 @@ def check_parts(scaling, solver):
     parts_lib.check_parts(scaling, solver, "LevenbergMarquardt")
 
 
-def linearize_for(solver, residual_fn, variables, dtype, support=None):
-    """The linearisation the solver consumes (`linear_solvers.FORMS`)."""
-    return lin_lib.linearize_as(solver.consumes, residual_fn, variables, dtype,
-                                support=support)
-
-
-def require_normal_equations(solver, why):
-    """Paths that sum ``J^T J`` (chunks, replicas, GGN) need a solver that
-    consumes only the normal equations."""
-    if solver.consumes != solvers_lib.NORMAL_EQUATIONS:
-        raise ValueError(
-            f"LevenbergMarquardt: {why}, so it needs a solver that works from "
-            "J^T J alone (solver='cholesky'). Received: "
-            f"solver={parts_lib.part_name(solver)!r}")
-
-
-class LevenbergMarquardt:
+class LevenbergMarquardt(FitStep, Supports):
     """Levenberg-Marquardt as a Keras optimizer.
 
     LM minimises ``0.5 * |r|^2`` by solving the damped Gauss-Newton system
@@ -187,8 +149,8 @@ class LevenbergMarquardt:
         "trust_region" (Moré's trust radius, `least_squares`'s default) or
         "multiply_divide" (MATLAB trainlm: x10 / x0.1), or an object from
         ``tf_gradkit.core.lm``. Nielsen stays the default here for speed: the
-        trust region fits lambda with several solves per attempt (2.1x the
-        time per step on the sinc benchmark, docs/levenberg_marquardt.md).
+        trust region fits lambda with several solves per attempt (its time
+        per step: docs/levenberg_marquardt.md, "The parts").
       scaling: "marquardt" (default, ``D^2`` = running max of diag(J^T J)) or
         "levenberg" (``D = I``).
       solver: "cholesky" (default, normal equations), "qr" (augmented system,
@@ -239,7 +201,9 @@ class LevenbergMarquardt:
         under the compiled loss, a solver that forms J^T J or J), else by
         automatic differentiation (one forward-mode product per parameter);
         "taps": the taps or an error saying why not; "autodiff": never the
-        taps. What the last traced step used is ``linearization_used``.
+        taps. ``minimize`` too, when given ``model=`` (each call checks that
+        its residuals are per example, else uses autodiff). What the last
+        traced step used is ``linearization_used``.
       initial_damping: the first lambda (default: the controller's, 1e-3),
         for a controller that has one ("nielsen", "multiply_divide"); the
         trust region sets lambda from its radius and refuses it. Saved as
@@ -267,9 +231,9 @@ class LevenbergMarquardt:
                 "LevenbergMarquardt", kwargs, "model, controller, scaling, solver, "
                 "max_attempts, chunk_size, name, initial_damping, minibatch_guard, "
                 "residuals, subset, linearization", advice="")
-        _check_residuals(residuals, chunk_size)
+        check_residuals(residuals, chunk_size)
         _check_linearization(linearization)
-        _check_subset(subset)
+        check_subset(subset)
         if not isinstance(minibatch_guard, bool):
             raise ValueError("LevenbergMarquardt: `minibatch_guard` must be True or "
                              f"False. Received: minibatch_guard={minibatch_guard!r}")
@@ -295,9 +259,10 @@ class LevenbergMarquardt:
         self.residuals = residuals
         self.subset = subset
         self.linearization = linearization
-        # What the last traced fit step linearised with: "taps" or
-        # "autodiff: <why not taps>" (None before the first step).
-        object.__setattr__(self, "linearization_used", None)
+        # What the last traced step linearised with (`linearization_used`);
+        # minimize's check of its taps, a variable made at its first use.
+        object.__setattr__(self, "_linearization_used", None)
+        object.__setattr__(self, "_taps_apart", None)
         self._residuals_unsaved = None  # the name of one lost in saving
         self._lm_vars = None
         self.masks = None
@@ -387,14 +352,48 @@ class LevenbergMarquardt:
         """Damped solves the last iteration needed (1 = first one accepted)."""
         return self._last_attempts
 
+    @property
+    def linearization_used(self):
+        """How the last traced step formed the Jacobian: "taps" (fit), "taps
+        (checked per example)" (minimize), or "autodiff: <why not taps>";
+        None before the first step. Read eagerly after a minimize call whose
+        check of the taps failed: "autodiff: <why>" too."""
+        used = self._linearization_used
+        if (used == lm_minimize.CHECKED and self._taps_apart is not None
+                and tf.executing_eagerly() and not int(self._taps_apart.numpy())):
+            return lm_minimize.MIXED
+        return used
+
+    def _set_linearization_used(self, used, per_example=None):
+        """Records ``used`` (logged when it changes) and, for minimize's
+        checked taps, the check's outcome ``per_example`` (a bool tensor)."""
+        if used != self._linearization_used:
+            tf.get_logger().info("LevenbergMarquardt linearises with %s", used)
+            object.__setattr__(self, "_linearization_used", used)
+        if per_example is None:
+            return
+        if self._taps_apart is None:
+            with tf.init_scope():  # int64: a compiled step on a GPU reaches it
+                object.__setattr__(self, "_taps_apart", tf.Variable(
+                    1, dtype=tf.int64, trainable=False, name="taps_apart"))
+        self._taps_apart.assign(tf.cast(per_example, tf.int64))
+
     # ------------------------------------------------------------- the step
-    def minimize(self, residual_fn, var_list, tape=None):
+    def minimize(self, residual_fn, var_list, tape=None, model=None):
         """One LM iteration on ``0.5 * sum(residual_fn()**2)``.
 
         Args:
           residual_fn: zero-argument callable returning residuals (any shape).
           var_list: the variables to update.
           tape: not used (LM computes its own Jacobian); must be None.
+          model: optional, the Keras model whose layers ``residual_fn`` calls:
+            with ``linearization`` "auto" or "taps" the Jacobian then comes
+            from its layers' taps where they cover ``var_list``, for
+            residuals whose first axis is the model's examples, each
+            residual depending on its own example only. That is checked
+            each call (one more backward pass); a call whose check fails
+            forms the Jacobian by automatic differentiation, as without
+            ``model`` (`lm_minimize`; ``linearization_used`` says which).
 
         Returns:
           The cost ``0.5 * sum r^2`` after the iteration.
@@ -412,9 +411,9 @@ class LevenbergMarquardt:
         dtype = self._lm_vars.control.damping.dtype
         # Plain attribute (no Keras tracking): trace-time Python state.
         object.__setattr__(self, "_step_support", self._support(var_list, tf_vars))
-        object.__setattr__(self, "_step_constrain", _constraints(var_list))
-        lin = linearize_for(self.solver, residual_fn, tf_vars, dtype,
-                            self._step_support)
+        object.__setattr__(self, "_step_constrain", variable_constraints(var_list))
+        lin = lm_minimize.linearize(self, residual_fn, var_list, tf_vars, dtype,
+                                    model, self._step_support)
         local_cost = lambda: lm_losses.half_sum_sq(residual_fn(), dtype)  # noqa: E731
         ctx = tf.distribute.get_replica_context()
         if ctx is not None and tf.distribute.get_strategy().num_replicas_in_sync > 1:
@@ -510,228 +509,6 @@ class LevenbergMarquardt:
             control)
         return _Restraint(control, fired)
 
-    def _support(self, variables, tf_vars):
-        """The parameters to solve for, when `pruning.MaskAware` handed this
-        optimizer its masks (``self.masks``): only the unpruned weights.
-
-        The Jacobian then has one column per unpruned weight, so at 80%
-        sparsity the damped system is 5x smaller. The system's size is read
-        from the masks when the step is traced (eagerly: every step); a traced
-        step keeps it, padding with frozen entries as more weights are pruned,
-        so after a pruning schedule ends, re-trace (e.g.
-        ``model.make_train_function(force=True)``) to get the full saving.
-        """
-        if self.subset is not None:
-            if self.masks is not None:
-                raise ValueError(
-                    "LevenbergMarquardt: `subset` chooses the parameters each step "
-                    "solves for, and so do the pruning masks it was handed; use "
-                    "one of the two (subset=None under pruning).")
-            return self._subset_support(variables, tf_vars)
-        if self.masks is None:
-            return None
-        masks = [self.masks.mask_for(v, cast=False) for v in variables]
-        if all(m is None for m in masks):
-            return None
-        parts, capacity = [], 0
-        for v, m in zip(tf_vars, masks):
-            n = v.shape.num_elements()
-            if m is None:
-                parts.append(tf.ones([n], tf.float32))
-                capacity += n
-                continue
-            parts.append(tf.reshape(tf.cast(tf.not_equal(m, 0), tf.float32), [-1]))
-            capacity += _count_nonzero_now(m, n)
-        return lin_lib.support_from_mask(tf.concat(parts, axis=0), max(capacity, 1))
-
-    def _subset_support(self, variables, tf_vars):
-        """`subset`'s parameters for this step (from ``iterations``)."""
-        sizes = [v.shape.num_elements() for v in tf_vars]
-        total = sum(sizes)
-        step = tf.cast(self.iterations, tf.int64)
-        if self.subset == "layers":
-            groups = {}
-            offset = 0
-            for v, n in zip(variables, sizes):
-                path = self._path(v).split(":")[0]
-                layer = path.rsplit("/", 1)[0] if "/" in path else path
-                groups.setdefault(layer, []).append((offset, n))
-                offset += n
-            indices = [np.concatenate([np.arange(o, o + n) for o, n in parts])
-                       for parts in groups.values()]
-            capacity = max(len(i) for i in indices)
-            table = np.stack([np.pad(i, (0, capacity - len(i)), mode="edge")
-                              for i in indices]).astype(np.int32)
-            valid = np.stack([np.arange(capacity) < len(i) for i in indices])
-            which = tf.cast(step % len(indices), tf.int32)
-            return lin_lib.Support(indices=tf.gather(tf.constant(table), which),
-                                   valid=tf.gather(tf.constant(valid), which))
-        k = max(1, int(np.ceil(self.subset * total)))
-        draw = tf.random.stateless_uniform([total], seed=tf.stack([step, step * 0 + 7]))
-        chosen = tf.sort(tf.math.top_k(draw, k=k, sorted=False).indices)
-        return lin_lib.Support(indices=chosen, valid=tf.ones([k], tf.bool))
-
-    def _fit_step(self, model, data):
-        loss = getattr(model, "loss", None)
-        custom = self.residuals
-        if custom is None and self._residuals_unsaved:
-            raise ValueError(
-                "LevenbergMarquardt: this optimizer was saved while training on "
-                f"residuals={self._residuals_unsaved!r}, a lambda or closure that "
-                "cannot be saved, and would otherwise train on the compiled loss "
-                "instead. Set `optimizer.residuals = <your function>` before "
-                "fit, or define it at a module's top level and register it with "
-                "keras.saving.register_keras_serializable so that it is saved by "
-                "name.")
-        _check_residuals(custom, self.chunk_size)
-        loss_name = None if custom is not None else lm_losses.loss_name(loss)
-        robust = None if custom is not None else lm_losses.robust_loss(loss)
-        if custom is None and loss_name not in lm_losses.MSE_NAMES and loss_name not in \
-                lm_losses.CROSS_ENTROPY and robust is None:
-            raise ValueError(
-                "LevenbergMarquardt: the model must be compiled with a mean "
-                f"squared error loss (one of {lm_losses.MSE_NAMES}), a robust one "
-                f"(one of {sorted(lm_losses.ROBUST)}) or a cross-entropy "
-                f"(one of {sorted(lm_losses.CROSS_ENTROPY)}). Received: loss={loss!r}")
-        x, y, sample_weight = self._unpack(data)
-        # The forward pass first: it builds a model that was not built yet.
-        y_pred = model(x, training=False)
-        variables = model.trainable_variables
-        if not variables:
-            raise ValueError("LevenbergMarquardt: the model has no trainable "
-                             "variables to fit.")
-        if self._lm_vars is None:
-            with tf.init_scope():
-                self.build(variables)
-        tf_vars = [self._tf_variable(v) for v in variables]
-        dtype = self._lm_vars.control.damping.dtype
-        support = self._support(variables, tf_vars)
-        object.__setattr__(self, "_step_support", support)
-        object.__setattr__(self, "_step_constrain", _constraints(variables))
-
-        loss_weights = lm_losses.compiled_loss_weights(model)
-
-        def residuals(xb, yb, wb):
-            if custom is not None:
-                return tf.cast(tf.reshape(custom(model, xb, yb, wb), [-1]), dtype)
-            return residuals_of(model(xb, training=True), yb, wb)
-
-        def residuals_of(y_pred, yb, wb):
-            if robust is None:
-                return lm_losses.mse_residuals(y_pred, yb, wb, dtype, loss_weights)
-            # Huber, MAE: the robust loss's step residuals (core/lm/robust.py).
-            return robust.scale(*lm_losses.weighted_errors(y_pred, yb, wb, dtype,
-                                                           loss_weights))
-
-        def robust_cost(xb, yb, wb):
-            """The batch's sum of the robust loss: batch * the compiled loss."""
-            return robust.cost(*lm_losses.weighted_errors(
-                model(xb, training=True), yb, wb, dtype, loss_weights))
-
-        batch = tf.shape(tf.nest.flatten(x)[0])[0]
-        steps = self._tap_plan(model, variables, custom)
-
-        def tapped(rows_fn):
-            """``(r, J)`` over the support from ``rows_fn() -> [B, m]``."""
-            r, jac = tapped_jacobian.residuals_and_jacobian(steps, variables,
-                                                            rows_fn, dtype)
-            return r, lin_lib.on_support(jac, support)
-
-        if loss_name in lm_losses.CROSS_ENTROPY:
-            outputs = None if steps is None else lambda: tapped(
-                lambda: tf.reshape(model(x, training=True), [batch, -1]))
-            return self._fit_step_cross_entropy(
-                model, x, y, sample_weight, y_pred, batch, tf_vars, dtype,
-                lm_losses.CROSS_ENTROPY[loss_name], lm_losses.from_logits(loss),
-                outputs)
-
-        def residual_rows(xb, yb, wb):
-            def rows():
-                y_pred = model(xb, training=True)
-                return lm_losses.per_example(residuals_of(y_pred, yb, wb), y_pred)
-            return rows
-
-        if (self.chunk_size is None and steps is not None
-                and self.solver.consumes == solvers_lib.MATRIX_FREE):
-            r, jtr, matvec = tapped_jacobian.matrix_free(
-                steps, variables, residual_rows(x, y, sample_weight), dtype)
-            lin = solvers_lib.Linearization(cost=0.5 * tf.reduce_sum(tf.square(r)),
-                                            jtj=None, jtr=jtr, matvec=matvec)
-        elif self.chunk_size is None and steps is not None:
-            lin = lin_lib.from_rows(
-                *tapped(residual_rows(x, y, sample_weight)),
-                self.solver.consumes == solvers_lib.JACOBIAN)
-        elif self.chunk_size is None:
-            lin = linearize_for(self.solver, lambda: residuals(x, y, sample_weight),
-                                tf_vars, dtype, support)
-        else:
-            lin = self._chunked(residuals, x, y, sample_weight, batch, tf_vars, dtype,
-                                None if steps is None else
-                                lambda xb, yb, wb: tapped(residual_rows(xb, yb, wb)))
-        if robust is not None:
-            return self._step_and_report(
-                model, x, y, sample_weight, y_pred,
-                lin._replace(cost=robust_cost(x, y, sample_weight)), robust_cost,
-                tf_vars)
-        return self._step_and_report(
-            model, x, y, sample_weight, y_pred, lin,
-            lambda xb, yb, wb: lm_losses.half_sum_sq(residuals(xb, yb, wb), dtype), tf_vars)
-
-    def _fit_step_cross_entropy(self, model, x, y, sample_weight, y_pred, batch,
-                                tf_vars, dtype, kind, from_logits,
-                                outputs_and_jacobian=None):
-        if (self.solver.consumes != solvers_lib.NORMAL_EQUATIONS
-                or self.chunk_size is not None):
-            raise ValueError(
-                "LevenbergMarquardt: cross-entropy losses use the generalised "
-                "Gauss-Newton matrix, which needs solver='cholesky' and "
-                f"chunk_size=None. Received: solver={parts_lib.part_name(self.solver)!r}, "
-                f"chunk_size={self.chunk_size}")
-
-        def example_weights(xb, wb):
-            # Keras reduces with the mean over the (global) batch: w_i / B.
-            b = tf.shape(tf.nest.flatten(xb)[0])[0]
-            w = tf.ones([b], dtype) if wb is None else tf.cast(tf.reshape(wb, [-1]), dtype)
-            replicas = tf.distribute.get_strategy().num_replicas_in_sync
-            return w / tf.cast(b * replicas, dtype)
-
-        lin = ggn_lib.linearize_cross_entropy(
-            lambda: model(x, training=True), y, example_weights(x, sample_weight),
-            tf_vars, kind, from_logits, dtype, support=self._step_support,
-            outputs_and_jacobian=outputs_and_jacobian)
-        return self._step_and_report(
-            model, x, y, sample_weight, y_pred, lin,
-            lambda xb, yb, wb: ggn_lib.cross_entropy_cost(
-                model(xb, training=True), yb, example_weights(xb, wb), kind,
-                from_logits, dtype), tf_vars)
-
-    def _step_and_report(self, model, x, y, sample_weight, y_pred, lin,
-                         local_cost, tf_vars):
-        """One LM iteration from this replica's linearisation, then the logs.
-
-        Under a multi-replica strategy J^T J, J^T r and the cost are summed
-        across replicas once; the attempts then run in cross-replica context
-        (one ``merge_call``), where each trial cost is evaluated per replica
-        and summed, so every replica takes the identical step.
-        """
-        ctx = tf.distribute.get_replica_context()
-        size = tf.shape(tf.nest.flatten(x)[0])[0]
-        outputs = tf.add_n([tf.size(o) for o in tf.nest.flatten(y_pred)])
-        per_example = outputs // tf.maximum(tf.shape(tf.nest.flatten(y_pred)[0])[0], 1)
-        if ctx is not None and tf.distribute.get_strategy().num_replicas_in_sync > 1:
-            attempts = self._distributed_iterate(ctx, lin, local_cost,
-                                                 (x, y, sample_weight), tf_vars,
-                                                 size, per_example)[0]
-        else:
-            info = self._iterate(lin, lambda: local_cost(x, y, sample_weight),
-                                 tf_vars, size, per_example)
-            attempts = info.attempts
-        logs = dict(self._report(model, x, y, y_pred, sample_weight))
-        logs["damping"] = self._lm_vars.control.damping.read_value()
-        logs["attempts"] = attempts
-        logs["skipped_batches"] = self._skipped.read_value()
-        return logs
-
     def _distributed_iterate(self, ctx, lin, local_cost, args, tf_vars, size,
                              per_example=None):
         """The iteration of the whole problem from each replica's share:
@@ -768,57 +545,6 @@ class LevenbergMarquardt:
 
         return ctx.merge_call(cross_replica,
                               args=(jtj, jtr, cost, size, per_example) + tuple(args))
-
-    def _chunked(self, residuals, x, y, sample_weight, batch, tf_vars, dtype,
-                 tapped=None):
-        require_normal_equations(
-            self.solver, "`chunk_size` bounds memory by never holding the whole "
-            "Jacobian, only the sum of the chunks' J^T J")
-        size = self.chunk_size
-        num_chunks = (batch + size - 1) // size
-
-        def rows(i):
-            idx = i * size + tf.range(size)
-            valid = tf.cast(idx < batch, dtype)
-            idx = tf.minimum(idx, batch - 1)
-            take = lambda t: tf.gather(t, idx)  # noqa: E731
-            xb = tf.nest.map_structure(take, x)
-            yb = tf.nest.map_structure(take, y)
-            wb = valid if sample_weight is None else valid * tf.cast(
-                take(sample_weight), dtype)
-            return xb, yb, wb
-
-        return lin_lib.linearize_chunked(
-            lambda i: residuals(*rows(i)), num_chunks, tf_vars, dtype,
-            support=self._step_support,
-            chunk_rows_fn=None if tapped is None else lambda i: tapped(*rows(i)))
-
-    def _tap_plan(self, model, variables, custom):
-        """The tapped Jacobian's plan for this fit step, or None (autodiff);
-        records the choice in ``linearization_used`` (and logs a change)."""
-        steps, why = None, None
-        if self.linearization == "autodiff":
-            why = "linearization='autodiff'"
-        elif custom is not None:
-            why = ("a residual function of your own (`residuals=`) may mix the "
-                   "examples")
-        elif self.solver.consumes == solvers_lib.MATRIX_FREE and (
-                self.chunk_size is not None or self.subset is not None
-                or self.masks is not None):
-            why = (f"solver={parts_lib.part_name(self.solver)!r} is matrix-free, "
-                   "which neither chunks nor supports (subset=, masks) combine with")
-        else:
-            steps, why = tapped_jacobian.plan(model, variables, training=True)
-        if why and self.linearization == "taps":
-            raise ValueError(
-                "LevenbergMarquardt: linearization='taps', but the Jacobian cannot "
-                f"be formed from layer taps: {why}. Use linearization='auto' (it "
-                "falls back to automatic differentiation) or 'autodiff'.")
-        used = "taps" if steps is not None else f"autodiff: {why}"
-        if used != self.linearization_used:
-            tf.get_logger().info("LevenbergMarquardt linearises with %s", used)
-            object.__setattr__(self, "linearization_used", used)
-        return steps
 
     def apply_gradients(self, *args, **kwargs):
         del args, kwargs
@@ -868,24 +594,6 @@ class LevenbergMarquardt:
         return optimizer
 
 
-def _constraints(variables):
-    """The variables' Keras constraints as one function for the step
-    (`step.levenberg_marquardt_step`'s ``constrain``), or None when none has
-    one. Applied as Keras's optimizers apply them after an update:
-    ``variable.assign(variable.constraint(variable))`` (``constraint`` is an
-    attribute of a Keras 3 variable and of a ``tf.Variable`` alike)."""
-    constrained = [(v, v.constraint) for v in variables
-                   if getattr(v, "constraint", None) is not None]
-    if not constrained:
-        return None
-
-    def constrain():
-        for variable, constraint in constrained:
-            variable.assign(constraint(variable))
-
-    return constrain
-
-
 def _linearization_is_finite(lin):
     """Whether every part of the linearisation at the current weights is
     finite (its cost, ``J^T r`` and whichever of ``J^T J``, ``J``, ``r`` it
@@ -902,13 +610,3 @@ def _no_step(lin):
         cost=lin.cost, new_cost=lin.cost, accepted=tf.constant(False),
         attempts=tf.constant(0), step_norm=zero, gradient_norm=zero, rho=zero,
         predicted=zero, first_step_norm=zero, last_step_norm=zero)
-
-
-def _count_nonzero_now(mask, size):
-    """Non-zeros of a mask variable at trace time; ``size`` if it cannot be
-    read then (a graph tensor), which keeps every entry in the system."""
-    try:
-        with tf.init_scope():
-            return int(tf.math.count_nonzero(tf.convert_to_tensor(mask)).numpy())
-    except Exception:  # noqa: BLE001 - a symbolic tensor: no value yet
-        return size

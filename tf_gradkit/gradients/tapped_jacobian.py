@@ -22,14 +22,17 @@ back, and the caller linearises by automatic differentiation instead.
 import contextlib
 from typing import Callable, NamedTuple, Optional
 
+import numpy as np
 import tensorflow as tf
 
 from tf_gradkit import _layer_taps as _taps
 from tf_gradkit.core import jacobian_rows
+from tf_gradkit.core import precision
 from tf_gradkit.gradients import norm_rules
 from tf_gradkit.gradients import per_example
 
-__all__ = ["JacobianRule", "RULES", "plan", "residuals_and_jacobian"]
+__all__ = ["JacobianRule", "RULES", "plan", "residuals_and_jacobian",
+           "checked_residuals_and_jacobian"]
 
 
 class JacobianRule(NamedTuple):
@@ -207,35 +210,89 @@ def plan(model, variables, training=True):
     return steps, None
 
 
-def _tapped_pass(steps, residual_rows, dtype):
+def _tapped_pass(steps, residual_rows, dtype, by_batch=False, check=False):
     """One forward pass with the taps on and ``m`` backward passes (one per
     residual column, or one vectorised pass): ``(rows [B, m], records,
-    grads)``, ``records[id(layer)]`` each call's taps and ``grads`` an
-    iterator over each call's output gradients ``[m, B, ...]``, in
-    ``steps``' order."""
+    grads, per_example)``, ``records[id(layer)]`` each call's taps,
+    ``grads`` an iterator over each call's output gradients ``[m, B, ...]``,
+    in ``steps``' order, and ``apart`` None, or with ``check`` the
+    check of `checked_residuals_and_jacobian` (a bool tensor).
+    ``by_batch``: ``residual_rows()`` has any shape, example ``i``'s
+    residuals its ``i``-th slice along the first axis (``B`` read from the
+    taps)."""
     records = {id(layer): [] for layer, _ in steps}
     with contextlib.ExitStack() as stack:
         stack.enter_context(per_example._Taps(steps, records))  # pylint: disable=protected-access
-        tape = stack.enter_context(tf.GradientTape())
+        tape = stack.enter_context(tf.GradientTape(persistent=check))
         rows = tf.cast(residual_rows(), dtype)
+        if by_batch:
+            rows = tf.reshape(rows, [_tapped_batch(steps, records, rows), -1])
         totals = tf.reduce_sum(rows, 0)
+        if check:
+            scales = _example_scales(tf.shape(rows)[0], dtype)
+            weighted = tf.reduce_sum(scales[:, None] * rows, 0)
     outputs = [r["output"] for layer, _ in steps for r in records[id(layer)]]
+    grads = _output_gradients(tape, totals, outputs, rows.shape[1])
+    apart = None
+    if check:
+        apart = _scaled_alike(
+            grads, _output_gradients(tape, weighted, outputs, rows.shape[1]), scales)
+        apart = (apart, tape, weighted, scales)
+    return rows, records, iter(grads), apart
+
+
+def _output_gradients(tape, totals, outputs, columns):
+    """``d totals_k / d output`` for each output, ``[m, B, ...]``."""
     zero = tf.UnconnectedGradients.ZERO
-    if rows.shape[1] == 1:
-        grads = [g[None] for g in tape.gradient(totals, outputs,
-                                                unconnected_gradients=zero)]
-    else:
-        grads = tape.jacobian(totals, outputs, unconnected_gradients=zero,
-                              experimental_use_pfor=True)
-    grads = iter(grads)
-    return rows, records, grads
+    if columns == 1:
+        return [g[None] for g in tape.gradient(totals, outputs,
+                                               unconnected_gradients=zero)]
+    return tape.jacobian(totals, outputs, unconnected_gradients=zero,
+                         experimental_use_pfor=True)
 
 
-def residuals_and_jacobian(steps, variables, residual_rows, dtype):
-    """``(r [B*m], J [B*m, P])`` of ``residual_rows() -> [B, m]`` (which runs
-    the model) from taps, the columns in ``variables``' order, rows in
-    ``r``'s (example-major)."""
-    rows, records, grads = _tapped_pass(steps, residual_rows, dtype)
+class NotByExample(ValueError):
+    """The residuals' first axis is not (statically) the tapped batch."""
+
+
+def _tapped_batch(steps, records, residuals):
+    """The batch the tapped layers saw, which must be the (static) length
+    of the residuals' first axis; else `NotByExample`."""
+    calls = [r for layer, _ in steps for r in records[id(layer)]]
+    batches = {tf.convert_to_tensor(r["output"]).shape[0] for r in calls}
+    first = residuals.shape[0] if residuals.shape.rank else None
+    if len(batches) != 1 or None in batches or first not in batches:
+        raise NotByExample(
+            f"the residuals' first axis ({first}) is not the batch the tapped "
+            f"layers saw ({sorted(batches, key=str)}), known when traced")
+    return first
+
+
+def _example_scales(batch, dtype, seed=(29, 32)):
+    """A fixed pseudo-random power of two, 2^-6 to 2^6, per example: scaling
+    by one is exact in floating point (TF32 included)."""
+    powers = tf.random.stateless_uniform([batch], seed=list(seed), minval=-6,
+                                         maxval=7, dtype=tf.int32)
+    return tf.pow(tf.constant(2.0, dtype), tf.cast(powers, dtype))
+
+
+def _scaled_alike(grads, weighted, scales):
+    """Whether every ``weighted`` output gradient is ``grads``' with example
+    ``i``'s part times ``scales[i]``, to 256 ulps of the largest entry."""
+    worst, largest, eps = [], [], 0.0
+    for g, w in zip(grads, weighted):
+        shape = tf.concat([[1, -1], tf.ones([tf.rank(g) - 2], tf.int32)], 0)
+        want = g * tf.cast(tf.reshape(scales, shape), g.dtype)
+        worst.append(tf.cast(tf.reduce_max(tf.abs(w - want)), tf.float64))
+        largest.append(tf.cast(tf.reduce_max(tf.abs(want)), tf.float64))
+        eps = max(eps, float(np.finfo(g.dtype.as_numpy_dtype).eps))
+    if not worst:
+        return tf.constant(True)
+    # NaN in either fails the comparison, and falls back.
+    return tf.reduce_max(tf.stack(worst)) <= 256 * eps * tf.reduce_max(tf.stack(largest))
+
+
+def _jacobian_of(steps, variables, rows, records, grads, dtype):
     by_id = {}
     for layer, rule in steps:
         calls = [(r, next(grads)) for r in records[id(layer)]]
@@ -247,8 +304,73 @@ def residuals_and_jacobian(steps, variables, residual_rows, dtype):
     n = tf.size(rows)
     blocks = [tf.reshape(by_id[id(v)], [n, -1]) if id(v) in by_id
               else tf.zeros([n, v.shape.num_elements()], dtype) for v in variables]
-    jacobian = blocks[0] if len(blocks) == 1 else tf.concat(blocks, 1)
-    return tf.reshape(rows, [-1]), jacobian
+    return blocks[0] if len(blocks) == 1 else tf.concat(blocks, 1)
+
+
+def residuals_and_jacobian(steps, variables, residual_rows, dtype):
+    """``(r [B*m], J [B*m, P])`` of ``residual_rows() -> [B, m]`` (which runs
+    the model) from taps, the columns in ``variables``' order, rows in
+    ``r``'s (example-major)."""
+    rows, records, grads, _ = _tapped_pass(steps, residual_rows, dtype)
+    return tf.reshape(rows, [-1]), _jacobian_of(steps, variables, rows, records,
+                                                grads, dtype)
+
+
+def checked_residuals_and_jacobian(steps, variables, residual_fn, dtype):
+    """``(r [N], J [N, P], per_example)`` of ``residual_fn()`` (any shape,
+    example ``i``'s residuals its ``i``-th slice along the first axis, ``i``
+    the example the tapped layers see at position ``i``) from taps, checked.
+
+    The taps' rows are right only when each residual depends on the
+    variables through the tapped layers' outputs for its own example alone,
+    which an opaque function need not honour (a batch mean, a batch
+    statistic, a layout that is not example-major, a penalty on the weights
+    themselves). ``per_example`` (a bool tensor) checks both halves, with
+    one more backward pass of the residuals weighted per example by fixed
+    pseudo-random powers of two ``c_i``:
+
+    - each tapped layer's output gradient for example ``i`` must be the
+      unweighted pass's times ``c_i``: exact (a power of two scales
+      exactly, TF32 included) when the examples stay apart, off by the
+      mixed part otherwise;
+    - the variables' gradient of that sum with column ``k`` also weighted
+      by a power of two ``d_k`` (reverse mode, whatever the paths) must
+      equal ``J^T w`` from the tapped rows (``w_ik = c_i d_k``) to the
+      round-off of the sums, per parameter: a path that bypasses the taps
+      is missing from ``J^T w``.
+
+    Where it is False the returned J is wrong and the caller must form
+    another. Costs one more backward pass (``m`` for ``m`` residuals per
+    example).
+
+    Raises:
+      NotByExample: the residuals' first axis is not statically the batch
+        every tapped layer call saw.
+    """
+    rows, records, grads, (apart, tape, weighted, scales) = _tapped_pass(
+        steps, residual_fn, dtype, by_batch=True, check=True)
+    jacobian = _jacobian_of(steps, variables, rows, records, grads, dtype)
+    # Columns weighted too (powers of two d_k): w_ik = c_i d_k.
+    columns = _example_scales(tf.shape(rows)[1], dtype, seed=[32, 29])
+    true = tape.gradient(weighted, list(variables), output_gradients=columns,
+                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    del tape
+    true = tf.concat([tf.reshape(tf.cast(g, dtype), [-1]) for g in true], 0)
+    w = tf.reshape(scales[:, None] * columns[None, :], [-1])
+    tapped = tf.linalg.matvec(jacobian, w, transpose_a=True)
+    terms = tf.linalg.matvec(tf.abs(jacobian), tf.abs(w), transpose_a=True)
+    # Each side sums the same N products of the model's values in its own
+    # order: their inputs rounded to the products' unit (TF32's 2^-11 where
+    # a GPU may use it), the sums accumulated in the model's precision.
+    model_dtype = tf.as_dtype(variables[0].dtype)
+    accumulate = float(np.finfo(model_dtype.as_numpy_dtype).eps) / 2
+    inputs = (2.0 ** -11 if model_dtype == tf.float32 and precision.tf32_may_apply()
+              else accumulate)
+    per_term = tf.cast(16 * inputs, dtype) + tf.cast(4 * accumulate, dtype) * tf.sqrt(
+        tf.cast(tf.size(rows), dtype))
+    bound = per_term * (terms + tf.reduce_max(terms) * 2.0 ** -20)
+    complete = tf.reduce_all(tf.abs(tapped - true) <= bound)
+    return tf.reshape(rows, [-1]), jacobian, tf.logical_and(apart, complete)
 
 
 def matrix_free(steps, variables, residual_rows, dtype):
@@ -256,7 +378,7 @@ def matrix_free(steps, variables, residual_rows, dtype):
     the taps of one forward and ``m`` backward passes: each product is a
     few contractions of the stored layer inputs and output gradients (rows
     are formed only for layers whose rule has no ``products``)."""
-    rows, records, grads = _tapped_pass(steps, residual_rows, dtype)
+    rows, records, grads, _ = _tapped_pass(steps, residual_rows, dtype)
     index = {id(v): i for i, v in enumerate(variables)}
     sizes = [v.shape.num_elements() for v in variables]
     parts = []  # (variable positions, jvp, vjp)

@@ -1,0 +1,286 @@
+"""LevenbergMarquardt's ``fit`` step: one LM iteration on a batch, written
+once for both Keras flavours (the algorithm class inherits `FitStep`).
+
+From the compiled loss (or ``residuals=``) it makes the batch's residuals
+(MSE, robust, or a generalised Gauss-Newton system for cross-entropies),
+linearises them (layer taps where the model allows, else automatic
+differentiation; whole, chunked or matrix-free, as the solver consumes),
+runs the iteration (`LevenbergMarquardt._iterate`, or across replicas
+`_distributed_iterate`) and returns the step's logs.
+
+`FitStep` uses what the algorithm class has: ``solver``, ``chunk_size``,
+``subset``, ``masks``, ``linearization``, ``_set_linearization_used``,
+``residuals``, ``_residuals_unsaved``, ``_lm_vars``, ``_skipped``,
+``build``, ``_support``, ``_iterate``, ``_distributed_iterate`` and the host
+hooks ``_unpack``, ``_report`` and ``_tf_variable``.
+"""
+
+import tensorflow as tf
+
+from tf_gradkit._algorithms import lm_losses
+from tf_gradkit.core.lm import ggn as ggn_lib
+from tf_gradkit.core.lm import linear_solvers as solvers_lib
+from tf_gradkit.core.lm import linearize as lin_lib
+from tf_gradkit.core.lm import parts as parts_lib
+from tf_gradkit.gradients import tapped_jacobian
+
+
+def check_residuals(residuals, chunk_size):
+    if residuals is not None and not callable(residuals):
+        raise ValueError(
+            "LevenbergMarquardt: `residuals` must be None or a function "
+            "fn(model, x, y, sample_weight) -> residuals. Received: "
+            f"{type(residuals).__name__}")
+    if residuals is not None and chunk_size is not None:
+        raise ValueError(
+            "LevenbergMarquardt: `chunk_size` pads the last chunk with "
+            "zero-weight rows, which a residual function of your own may not "
+            "honour; use chunk_size=None with `residuals` (or smaller batches).")
+
+
+def linearize_for(solver, residual_fn, variables, dtype, support=None):
+    """The linearisation the solver consumes (`linear_solvers.FORMS`)."""
+    return lin_lib.linearize_as(solver.consumes, residual_fn, variables, dtype,
+                                support=support)
+
+
+def require_normal_equations(solver, why):
+    """Paths that sum ``J^T J`` (chunks, replicas, GGN) need a solver that
+    consumes only the normal equations."""
+    if solver.consumes != solvers_lib.NORMAL_EQUATIONS:
+        raise ValueError(
+            f"LevenbergMarquardt: {why}, so it needs a solver that works from "
+            "J^T J alone (solver='cholesky'). Received: "
+            f"solver={parts_lib.part_name(solver)!r}")
+
+
+def variable_constraints(variables):
+    """The variables' Keras constraints as one function for the step
+    (`step.levenberg_marquardt_step`'s ``constrain``), or None when none has
+    one. Applied as Keras's optimizers apply them after an update:
+    ``variable.assign(variable.constraint(variable))`` (``constraint`` is an
+    attribute of a Keras 3 variable and of a ``tf.Variable`` alike)."""
+    constrained = [(v, v.constraint) for v in variables
+                   if getattr(v, "constraint", None) is not None]
+    if not constrained:
+        return None
+
+    def constrain():
+        for variable, constraint in constrained:
+            variable.assign(constraint(variable))
+
+    return constrain
+
+
+
+class FitStep:
+    """LevenbergMarquardt's ``fit`` step (a part of the algorithm class)."""
+
+    def _fit_step(self, model, data):
+        loss = getattr(model, "loss", None)
+        custom = self.residuals
+        if custom is None and self._residuals_unsaved:
+            raise ValueError(
+                "LevenbergMarquardt: this optimizer was saved while training on "
+                f"residuals={self._residuals_unsaved!r}, a lambda or closure that "
+                "cannot be saved, and would otherwise train on the compiled loss "
+                "instead. Set `optimizer.residuals = <your function>` before "
+                "fit, or define it at a module's top level and register it with "
+                "keras.saving.register_keras_serializable so that it is saved by "
+                "name.")
+        check_residuals(custom, self.chunk_size)
+        loss_name = None if custom is not None else lm_losses.loss_name(loss)
+        robust = None if custom is not None else lm_losses.robust_loss(loss)
+        if custom is None and loss_name not in lm_losses.MSE_NAMES and loss_name not in \
+                lm_losses.CROSS_ENTROPY and robust is None:
+            raise ValueError(
+                "LevenbergMarquardt: the model must be compiled with a mean "
+                f"squared error loss (one of {lm_losses.MSE_NAMES}), a robust one "
+                f"(one of {sorted(lm_losses.ROBUST)}) or a cross-entropy "
+                f"(one of {sorted(lm_losses.CROSS_ENTROPY)}). Received: loss={loss!r}")
+        x, y, sample_weight = self._unpack(data)
+        # The forward pass first: it builds a model that was not built yet.
+        y_pred = model(x, training=False)
+        variables = model.trainable_variables
+        if not variables:
+            raise ValueError("LevenbergMarquardt: the model has no trainable "
+                             "variables to fit.")
+        if self._lm_vars is None:
+            with tf.init_scope():
+                self.build(variables)
+        tf_vars = [self._tf_variable(v) for v in variables]
+        dtype = self._lm_vars.control.damping.dtype
+        support = self._support(variables, tf_vars)
+        object.__setattr__(self, "_step_support", support)
+        object.__setattr__(self, "_step_constrain", variable_constraints(variables))
+
+        loss_weights = lm_losses.compiled_loss_weights(model)
+
+        def residuals(xb, yb, wb):
+            if custom is not None:
+                return tf.cast(tf.reshape(custom(model, xb, yb, wb), [-1]), dtype)
+            return residuals_of(model(xb, training=True), yb, wb)
+
+        def residuals_of(y_pred, yb, wb):
+            if robust is None:
+                return lm_losses.mse_residuals(y_pred, yb, wb, dtype, loss_weights)
+            # Huber, MAE: the robust loss's step residuals (core/lm/robust.py).
+            return robust.scale(*lm_losses.weighted_errors(y_pred, yb, wb, dtype,
+                                                           loss_weights))
+
+        def robust_cost(xb, yb, wb):
+            """The batch's sum of the robust loss: batch * the compiled loss."""
+            return robust.cost(*lm_losses.weighted_errors(
+                model(xb, training=True), yb, wb, dtype, loss_weights))
+
+        batch = tf.shape(tf.nest.flatten(x)[0])[0]
+        steps = self._tap_plan(model, variables, custom)
+
+        def tapped(rows_fn):
+            """``(r, J)`` over the support from ``rows_fn() -> [B, m]``."""
+            r, jac = tapped_jacobian.residuals_and_jacobian(steps, variables,
+                                                            rows_fn, dtype)
+            return r, lin_lib.on_support(jac, support)
+
+        if loss_name in lm_losses.CROSS_ENTROPY:
+            outputs = None if steps is None else lambda: tapped(
+                lambda: tf.reshape(model(x, training=True), [batch, -1]))
+            return self._fit_step_cross_entropy(
+                model, x, y, sample_weight, y_pred, batch, tf_vars, dtype,
+                lm_losses.CROSS_ENTROPY[loss_name], lm_losses.from_logits(loss),
+                outputs)
+
+        def residual_rows(xb, yb, wb):
+            def rows():
+                y_pred = model(xb, training=True)
+                return lm_losses.per_example(residuals_of(y_pred, yb, wb), y_pred)
+            return rows
+
+        if (self.chunk_size is None and steps is not None
+                and self.solver.consumes == solvers_lib.MATRIX_FREE):
+            r, jtr, matvec = tapped_jacobian.matrix_free(
+                steps, variables, residual_rows(x, y, sample_weight), dtype)
+            lin = solvers_lib.Linearization(cost=0.5 * tf.reduce_sum(tf.square(r)),
+                                            jtj=None, jtr=jtr, matvec=matvec)
+        elif self.chunk_size is None and steps is not None:
+            lin = lin_lib.from_rows(
+                *tapped(residual_rows(x, y, sample_weight)),
+                self.solver.consumes == solvers_lib.JACOBIAN)
+        elif self.chunk_size is None:
+            lin = linearize_for(self.solver, lambda: residuals(x, y, sample_weight),
+                                tf_vars, dtype, support)
+        else:
+            lin = self._chunked(residuals, x, y, sample_weight, batch, tf_vars, dtype,
+                                None if steps is None else
+                                lambda xb, yb, wb: tapped(residual_rows(xb, yb, wb)))
+        if robust is not None:
+            return self._step_and_report(
+                model, x, y, sample_weight, y_pred,
+                lin._replace(cost=robust_cost(x, y, sample_weight)), robust_cost,
+                tf_vars)
+        return self._step_and_report(
+            model, x, y, sample_weight, y_pred, lin,
+            lambda xb, yb, wb: lm_losses.half_sum_sq(residuals(xb, yb, wb), dtype), tf_vars)
+
+    def _fit_step_cross_entropy(self, model, x, y, sample_weight, y_pred, batch,
+                                tf_vars, dtype, kind, from_logits,
+                                outputs_and_jacobian=None):
+        if (self.solver.consumes != solvers_lib.NORMAL_EQUATIONS
+                or self.chunk_size is not None):
+            raise ValueError(
+                "LevenbergMarquardt: cross-entropy losses use the generalised "
+                "Gauss-Newton matrix, which needs solver='cholesky' and "
+                f"chunk_size=None. Received: solver={parts_lib.part_name(self.solver)!r}, "
+                f"chunk_size={self.chunk_size}")
+
+        def example_weights(xb, wb):
+            # Keras reduces with the mean over the (global) batch: w_i / B.
+            b = tf.shape(tf.nest.flatten(xb)[0])[0]
+            w = tf.ones([b], dtype) if wb is None else tf.cast(tf.reshape(wb, [-1]), dtype)
+            replicas = tf.distribute.get_strategy().num_replicas_in_sync
+            return w / tf.cast(b * replicas, dtype)
+
+        lin = ggn_lib.linearize_cross_entropy(
+            lambda: model(x, training=True), y, example_weights(x, sample_weight),
+            tf_vars, kind, from_logits, dtype, support=self._step_support,
+            outputs_and_jacobian=outputs_and_jacobian)
+        return self._step_and_report(
+            model, x, y, sample_weight, y_pred, lin,
+            lambda xb, yb, wb: ggn_lib.cross_entropy_cost(
+                model(xb, training=True), yb, example_weights(xb, wb), kind,
+                from_logits, dtype), tf_vars)
+
+    def _step_and_report(self, model, x, y, sample_weight, y_pred, lin,
+                         local_cost, tf_vars):
+        """One LM iteration from this replica's linearisation, then the logs.
+
+        Under a multi-replica strategy J^T J, J^T r and the cost are summed
+        across replicas once; the attempts then run in cross-replica context
+        (one ``merge_call``), where each trial cost is evaluated per replica
+        and summed, so every replica takes the identical step.
+        """
+        ctx = tf.distribute.get_replica_context()
+        size = tf.shape(tf.nest.flatten(x)[0])[0]
+        outputs = tf.add_n([tf.size(o) for o in tf.nest.flatten(y_pred)])
+        per_example = outputs // tf.maximum(tf.shape(tf.nest.flatten(y_pred)[0])[0], 1)
+        if ctx is not None and tf.distribute.get_strategy().num_replicas_in_sync > 1:
+            attempts = self._distributed_iterate(ctx, lin, local_cost,
+                                                 (x, y, sample_weight), tf_vars,
+                                                 size, per_example)[0]
+        else:
+            info = self._iterate(lin, lambda: local_cost(x, y, sample_weight),
+                                 tf_vars, size, per_example)
+            attempts = info.attempts
+        logs = dict(self._report(model, x, y, y_pred, sample_weight))
+        logs["damping"] = self._lm_vars.control.damping.read_value()
+        logs["attempts"] = attempts
+        logs["skipped_batches"] = self._skipped.read_value()
+        return logs
+
+    def _chunked(self, residuals, x, y, sample_weight, batch, tf_vars, dtype,
+                 tapped=None):
+        require_normal_equations(
+            self.solver, "`chunk_size` bounds memory by never holding the whole "
+            "Jacobian, only the sum of the chunks' J^T J")
+        size = self.chunk_size
+        num_chunks = (batch + size - 1) // size
+
+        def rows(i):
+            idx = i * size + tf.range(size)
+            valid = tf.cast(idx < batch, dtype)
+            idx = tf.minimum(idx, batch - 1)
+            take = lambda t: tf.gather(t, idx)  # noqa: E731
+            xb = tf.nest.map_structure(take, x)
+            yb = tf.nest.map_structure(take, y)
+            wb = valid if sample_weight is None else valid * tf.cast(
+                take(sample_weight), dtype)
+            return xb, yb, wb
+
+        return lin_lib.linearize_chunked(
+            lambda i: residuals(*rows(i)), num_chunks, tf_vars, dtype,
+            support=self._step_support,
+            chunk_rows_fn=None if tapped is None else lambda i: tapped(*rows(i)))
+
+    def _tap_plan(self, model, variables, custom):
+        """The tapped Jacobian's plan for this fit step, or None (autodiff);
+        records the choice in ``linearization_used`` (and logs a change)."""
+        steps, why = None, None
+        if self.linearization == "autodiff":
+            why = "linearization='autodiff'"
+        elif custom is not None:
+            why = ("a residual function of your own (`residuals=`) may mix the "
+                   "examples")
+        elif self.solver.consumes == solvers_lib.MATRIX_FREE and (
+                self.chunk_size is not None or self.subset is not None
+                or self.masks is not None):
+            why = (f"solver={parts_lib.part_name(self.solver)!r} is matrix-free, "
+                   "which neither chunks nor supports (subset=, masks) combine with")
+        else:
+            steps, why = tapped_jacobian.plan(model, variables, training=True)
+        if why and self.linearization == "taps":
+            raise ValueError(
+                "LevenbergMarquardt: linearization='taps', but the Jacobian cannot "
+                f"be formed from layer taps: {why}. Use linearization='auto' (it "
+                "falls back to automatic differentiation) or 'autodiff'.")
+        self._set_linearization_used("taps" if steps is not None else f"autodiff: {why}")
+        return steps
