@@ -125,7 +125,7 @@ PY
     if [ $flavour = keras3 ]; then legacy=0; mark=$MARK3; else legacy=1; mark=$MARK2; fi
     log=$OUT/logs/$label-$flavour.log
     (cd "$RUN" && TF_USE_LEGACY_KERAS=$legacy TF_CPP_MIN_LOG_LEVEL=2 \
-       "$VENV/bin/python" -m pytest -q -p no:cacheprovider -rfE -m "$mark" $TESTS) >"$log" 2>&1
+       "$VENV/bin/python" -m pytest -q -p no:cacheprovider -rfEs -m "$mark" $TESTS) >"$log" 2>&1
     cells+=" $(summary "$log") |"
     echo "   $flavour: $(summary "$log")"
   done
