@@ -19,6 +19,9 @@
 #   BUILD=0  reuse .compat/dist and .compat/run from an earlier run (to run
 #            rows side by side: one build, then one process per ROWS)
 #   TAG      results go to .compat/results-$TAG.md (default results.md)
+#   FLAVOURS which processes to run, "keras3", "tf_keras" or both (default
+#            "keras3 tf_keras"); a row's own flavours still limit it, and
+#            the cell of a flavour left out reads "not run"
 # Results: .compat/results.md (a table) and .compat/logs/<row>-<flavour>.log.
 set -u
 cd "$(dirname "$0")/.."
@@ -29,6 +32,11 @@ TESTS=${TESTS:-$(ls tests/test_*.py | tr '\n' ' ')}
 MARK3=${MARK3:-not slow and not multiworker}
 MARK2=${MARK2:-not slow and not keras_free and not multiworker}
 SDIST_TESTS=${SDIST_TESTS-tests/test_projected.py tests/test_save_load.py}
+FLAVOURS=${FLAVOURS:-keras3 tf_keras}
+for f in $FLAVOURS; do
+  case $f in keras3|tf_keras) ;; *)
+    echo "FLAVOURS: got '$f'; accepted: keras3, tf_keras (space-separated)"; exit 1;; esac
+done
 
 # label | pip requirements pinned for the row [| flavours, default both]
 # Keras 3 before 3.10 lacks what the Keras 3 host uses (Variable's
@@ -113,10 +121,11 @@ PY
   cells=
   for flavour in keras3 tf_keras; do
     case " $flavours " in *" $flavour "*) ;; *) cells+=" not run |"; continue;; esac
+    case " $FLAVOURS " in *" $flavour "*) ;; *) cells+=" not run |"; continue;; esac
     if [ $flavour = keras3 ]; then legacy=0; mark=$MARK3; else legacy=1; mark=$MARK2; fi
     log=$OUT/logs/$label-$flavour.log
     (cd "$RUN" && TF_USE_LEGACY_KERAS=$legacy TF_CPP_MIN_LOG_LEVEL=2 \
-       "$VENV/bin/python" -m pytest -q -p no:cacheprovider -rfE -m "$mark" $TESTS) >"$log" 2>&1
+       "$VENV/bin/python" -m pytest -q -p no:cacheprovider -rfEs -m "$mark" $TESTS) >"$log" 2>&1
     cells+=" $(summary "$log") |"
     echo "   $flavour: $(summary "$log")"
   done
@@ -130,7 +139,7 @@ if [ -n "$SDIST_TESTS" ] && [ -n "$LAST_VENV" ]; then
   SRC=$(ls -d "$OUT"/sdist/*/)
   "$LAST_VENV/bin/python" -m pip install -q --force-reinstall --no-deps "$SRC" \
       >"$OUT/logs/sdist-install.log" 2>&1 || { echo "   sdist install failed"; exit 1; }
-  for flavour in keras3 tf_keras; do
+  for flavour in $FLAVOURS; do
     if [ $flavour = keras3 ]; then legacy=0; mark=$MARK3; else legacy=1; mark=$MARK2; fi
     log=$OUT/logs/sdist-$flavour.log
     # bin/pytest, not python -m pytest: the cwd stays off sys.path, so the
@@ -143,7 +152,7 @@ if [ -n "$SDIST_TESTS" ] && [ -n "$LAST_VENV" ]; then
 fi
 
 { echo "Run $(date -u +%Y-%m-%d) with $("$PYTHON" --version 2>&1) on $(uname -sm)."
-  echo "Tests: $TESTS"; echo "Keras 3 process: -m \"$MARK3\"; tf_keras process: -m \"$MARK2\"."
+  echo "Tests: $TESTS"; echo "Flavours: $FLAVOURS"; echo "Keras 3 process: -m \"$MARK3\"; tf_keras process: -m \"$MARK2\"."
   echo; echo "$TABLE"; } >"$RESULTS"
 echo; cat "$RESULTS"
 grep -q -E 'failed|error|did not run|install failed' "$RESULTS" && exit 1

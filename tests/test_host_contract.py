@@ -34,7 +34,9 @@ from tf_gradkit import _flavour, _hosts
 from tf_gradkit._hosts import protocol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGE = os.path.join(ROOT, "tf_gradkit")
+# The package the tests imported: the checkout's in development, the installed
+# wheel's under `make test-compat` (whose tests/ lie outside any source tree).
+PACKAGE = os.path.dirname(os.path.abspath(tf_gradkit.__file__))
 OTHER = {"keras3": "tf_keras", "tf_keras": "keras3"}[FLAVOUR]
 HOST_CLASSES = ("OptimizerHost", "WrapperHost", "StateHost", "SlotHost")
 
@@ -130,7 +132,9 @@ def _own_names():
     attributes, and attributes it assigns on ``self``/``cls`` outside the
     hosts (the hosts also assign Keras's own, which stay Keras's)."""
     own = set()
-    for path in glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True):
+    paths = glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True)
+    assert paths, f"no module found under {PACKAGE}"
+    for path in paths:
         in_hosts = os.sep + "_hosts" + os.sep in path
         for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):  # noqa: SIM115
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
@@ -169,7 +173,7 @@ def test_no_private_keras_member_is_read_outside_the_hosts():
     assert "_var_key" in keras_names and "_no_dependency" in tf_names  # the scan sees
     found = []
     for path in sorted(glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True)):
-        rel = os.path.relpath(path, ROOT)
+        rel = os.path.relpath(path, os.path.dirname(PACKAGE))
         parts = rel.split(os.sep)
         if parts[1] in ("_hosts", "keras3", "tf_keras"):  # the flavours' own code
             continue

@@ -204,7 +204,12 @@ def oracle(tmp_path_factory):
         env=env, capture_output=True, text=True, timeout=_ORACLE_TIMEOUT_S, check=False)
     assert run.returncode == 0, run.stderr[-4000:]
     answers = dict(np.load(folder / "out.npz"))
-    assert str(answers["versions"][0]) == "0.8.1", answers["versions"]
+    # The scenarios' expectations are tfmot 0.8.1's behaviour: another tfmot
+    # (0.8.0, as TF 2.16 and 2.18 rows install under `make test-compat`) is
+    # not that oracle, so its cases skip there, saying so.
+    if str(answers["versions"][0]) != "0.8.1":
+        pytest.skip(f"the oracle is tfmot 0.8.1; this environment has tfmot "
+                    f"{answers['versions'][0]}")
     return {"answers": answers, "inputs": inputs, "masks": masks}
 
 
