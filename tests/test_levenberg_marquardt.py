@@ -707,6 +707,11 @@ def _outlier_data():
     return x, y, np.sin(3 * x)
 
 
+# The MSE fit each robust loss is compared with, per mode: seeded and
+# deterministic, so it is trained once per process (Huber's case, then MAE's).
+_MSE_BASELINE = {}
+
+
 @pytest.mark.parametrize("loss", ["huber", "mae"])
 @pytest.mark.parametrize("mode", [pytest.param("eager", marks=pytest.mark.slow), "jit"])
 def test_robust_losses_train_through_fit(K, gk, loss, mode):
@@ -719,6 +724,9 @@ def test_robust_losses_train_through_fit(K, gk, loss, mode):
     x, y, clean = _outlier_data()
     errors = {}
     for name in (loss, "mse"):
+        if name == "mse" and mode in _MSE_BASELINE:  # the same seeded fit
+            errors[name] = _MSE_BASELINE[mode]
+            continue
         K.utils.set_random_seed(0)
         model = K.Sequential([K.Input((1,)), K.layers.Dense(10, activation="tanh"),
                               K.layers.Dense(1)])
@@ -732,6 +740,8 @@ def test_robust_losses_train_through_fit(K, gk, loss, mode):
         errors[name] = float(np.sqrt(np.mean((model.predict(x, verbose=0) - clean) ** 2)))
         if name == loss:
             robust_losses = losses
+        else:
+            _MSE_BASELINE[mode] = errors[name]
     losses = robust_losses
     if mode == "jit":
         assert errors[loss] < 0.05 and errors[loss] < 0.3 * errors["mse"], errors
