@@ -57,7 +57,13 @@ def host_for(obj, argument, owner):
 
 
 def make_class(host, algorithm, base, module_name):
-    """``algorithm`` on ``host.<base>``, registered as ``tf_gradkit>Name``."""
+    """``algorithm`` on ``host.<base>``, registered as ``tf_gradkit>Name``.
+
+    Made here with ``type()`` from the catalog rather than written out as
+    class statements: written out, each public optimizer would need one
+    near-identical three-base class per flavour (about 40 in all), which is
+    the repetition the catalog exists to avoid; a new flavour or optimizer is
+    one entry instead."""
     name = algorithm.__name__
     cls = type(name, (algorithm, getattr(host, base), host.Optimizer),
                {"__doc__": algorithm.__doc__, "__module__": module_name,
