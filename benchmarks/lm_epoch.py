@@ -2,8 +2,10 @@
 
 The peer's sinc problem (20000 points, ``y = sinc(10 x)``, a 1-20(tanh)-1
 MLP, 61 parameters, batches of 1000, shuffled): 20 steps per epoch. Both
-compiled with ``jit_compile=True``, in this process's Keras flavour. For
-each contender it reports the median epoch time over epochs 2.. (the first
+compiled with ``jit_compile=True``, in this process's Keras flavour. The
+contenders' epochs are interleaved (each one's epoch e, then each one's
+epoch e + 1: a change in the machine's load falls on all alike). For each
+contender it reports the median epoch time over epochs 2.. (the first
 includes compilation) and the final MSE, and the ratio of each LM variant's
 epoch to Adam's:
 
@@ -42,7 +44,7 @@ K = tf.keras
 EpochTimer = timing.epoch_timer_class(K.callbacks.Callback)
 
 
-def run(name, epochs, steps_per_execution, x, y):
+def contender(name, steps_per_execution):
     K.utils.set_random_seed(0)
     model = K.Sequential([K.Input((1,)), K.layers.Dense(20, activation="tanh"),
                           K.layers.Dense(1)])
@@ -54,11 +56,26 @@ def run(name, epochs, steps_per_execution, x, y):
             linearization="autodiff" if name == "lm-autodiff" else "auto")
     model.compile(optimizer=optimizer, loss="mse", jit_compile=True,
                   steps_per_execution=steps_per_execution)
-    timer = EpochTimer()
-    model.fit(x, y, batch_size=1000, epochs=epochs, verbose=0, shuffle=True,
-              callbacks=[timer])
-    mse = float(np.mean((model.predict(x, verbose=0, batch_size=20000) - y) ** 2))
-    return float(np.median(timer.times[1:])) * 1e3, mse
+    return model
+
+
+def run(names, epochs, steps_per_execution, x, y):
+    """``{name: (median ms per epoch over epochs 2.., final MSE)}``, the
+    contenders' epochs interleaved (epoch e of each, then epoch e + 1), so a
+    change in the machine's load falls on all of them alike."""
+    models = {n: contender(n, steps_per_execution) for n in names}
+    times = {n: [] for n in names}
+    for epoch in range(epochs):
+        for n, model in models.items():
+            timer = EpochTimer()
+            model.fit(x, y, batch_size=1000, epochs=epoch + 1, initial_epoch=epoch,
+                      verbose=0, shuffle=True, callbacks=[timer])
+            times[n] += timer.times
+    rows = {}
+    for n, model in models.items():
+        mse = float(np.mean((model.predict(x, verbose=0, batch_size=20000) - y) ** 2))
+        rows[n] = float(np.median(times[n][1:])) * 1e3, mse
+    return rows
 
 
 def parts(x, y):
@@ -117,7 +134,7 @@ def main():
         print("part-by-part, one batch of 1000, XLA, median of 300 calls:")
         parts(x, y)
     for repeat in range(args.repeats):
-        rows = {n: run(n, args.epochs, args.steps_per_execution, x, y) for n in names}
+        rows = run(names, args.epochs, args.steps_per_execution, x, y)
         for n in names:
             ms, mse = rows[n]
             print(f"repeat {repeat}: {n:10s} {ms:7.1f} ms/epoch  final MSE {mse:.2e}  "

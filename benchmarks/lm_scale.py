@@ -6,10 +6,15 @@ uniform in [-1, 1]^4; variance 0.14), MSE, full batch, Keras 3 ``fit``
 with ``jit_compile=True``, one seed.
 
 Part 1, a 4-64-64-1 tanh MLP (4,545 parameters; J^T J has 20.7M entries):
-  - ``lm-full``: ``LevenbergMarquardt(model)`` (Cholesky, 4,545^2 system;
-    the Jacobian from layer taps, the default for this model);
-  - ``lm-full-autodiff``: the same with ``linearization="autodiff"`` (the
-    Jacobian by forward mode, one product per parameter);
+  - ``lm-full``: ``LevenbergMarquardt(model)``, the defaults: the Jacobian
+    from layer taps, and ``solver="auto"``, which here (2000 residuals,
+    4,545 parameters) solves the 2000^2 dual system ``J D^-2 J^T``;
+  - ``lm-full-cholesky``: the same with ``solver="cholesky"`` (the
+    4,545^2 normal equations: the same step);
+  - ``lm-full-cholesky-autodiff``: Cholesky with ``linearization="autodiff"``
+    (the Jacobian by forward mode, one product per parameter): the defaults
+    before the taps and the dual;
+  - ``lm-full-autodiff``: the dual with the forward-mode Jacobian;
   - ``lm-subset-0.1``: ``subset=0.1`` (455 random parameters per step);
   - ``lm-layers``: ``subset="layers"`` (one layer per step; the system is
     padded to the largest layer's 4,160, so it saves little here);
@@ -76,9 +81,10 @@ def run(name, widths, seconds, x, y, steps=None):
             model, subset=float(name.rsplit("-", 1)[1]))
     elif name == "lm-layers":
         optimizer = tf_gradkit.optimizers.LevenbergMarquardt(model, subset="layers")
-    else:
+    else:  # lm-full[-cholesky][-autodiff]
         optimizer = tf_gradkit.optimizers.LevenbergMarquardt(
-            model, linearization="autodiff" if name.endswith("autodiff") else "auto")
+            model, linearization="autodiff" if name.endswith("autodiff") else "auto",
+            solver="cholesky" if "-cholesky" in name else "auto")
     model.compile(optimizer=optimizer, loss="mse", jit_compile=True)
     model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)  # compile
     times, start = [], time.perf_counter()
@@ -99,8 +105,8 @@ def main():
     parser.add_argument("--only", default=None)
     args = parser.parse_args()
     x, y = data()
-    parts = [((64, 64), ("lm-full", "lm-full-autodiff", "lm-subset-0.1", "lm-layers",
-                         "adam")),
+    parts = [((64, 64), ("lm-full", "lm-full-cholesky", "lm-full-cholesky-autodiff",
+                         "lm-full-autodiff", "lm-subset-0.1", "lm-layers", "adam")),
              ((400, 250), ("lm-cg", "lm-cg-autodiff", "lm-subset-0.01", "adam"))]
     if args.only:
         keep = args.only.split(",")

@@ -404,7 +404,7 @@ def test_multi_output_residuals_match_the_compiled_loss(K, gk):
 @pytest.mark.keras_free  # tf_gradkit.core/least_squares only: the same in either process
 def test_matrix_free_cg_step_equals_cholesky_step(mode):
     # One LM iteration: CG run to a tight tolerance gives the Cholesky step.
-    from tf_gradkit._algorithms import levenberg_marquardt as lm_algorithm  # noqa: PLC0415
+    from tf_gradkit.core.lm import linearize as lin_lib  # noqa: PLC0415
     rng = np.random.RandomState(0)
     x = tf.constant(np.linspace(0, 1, 12))
     y = tf.constant(rng.randn(12))
@@ -419,7 +419,7 @@ def test_matrix_free_cg_step_equals_cholesky_step(mode):
             return a[0] * tf.exp(-b * x) + a[1] * x + a[2] * x ** 2 - y
 
         def one_iteration():
-            lin = lm_algorithm.linearize_for(solver, residual_fn, [a, b], F64)
+            lin = lin_lib.linearize_as(solver.consumes, residual_fn, [a, b], F64)
             state = step_lib.init_state(controller, scaling, 4, F64)
             return step_lib.levenberg_marquardt_step(
                 lin, lambda: 0.5 * tf.reduce_sum(tf.square(residual_fn())),

@@ -65,7 +65,7 @@ def test_hybrid_is_a_restart_policy_under_its_old_names():
 def test_part_names_are_the_table_names_only():
     assert isinstance(parts_lib.resolve_part("dual", solvers_lib.SOLVERS, "solver"),
                       solvers_lib.NormalEquationsDual)
-    with pytest.raises(ValueError, match=r"`solver` must be one of \['cg', 'cholesky', "
+    with pytest.raises(ValueError, match=r"`solver` must be one of \['auto', 'cg', 'cholesky', "
                                          r"'dual', 'qr'\] or an object\. Received: "
                                          r"solver='normalequationsdual'"):
         parts_lib.resolve_part("normalequationsdual", solvers_lib.SOLVERS, "solver")

@@ -292,7 +292,7 @@ def test_lm_configs_name_parts_by_their_table_names(gk):
     lm = gk.LevenbergMarquardt.from_config(config)
     assert type(lm.solver).__name__ == "NormalEquationsDual" and lm.max_attempts == 4
     # A lower-cased class name (an unreleased pre-0.2 layout) is refused by name.
-    with pytest.raises(ValueError, match=r"`solver` must be one of \['cg', 'cholesky', "
+    with pytest.raises(ValueError, match=r"`solver` must be one of \['auto', 'cg', 'cholesky', "
                                          r"'dual', 'qr'\] or an object\. Received: "
                                          r"solver='normalequationsdual'"):
         gk.LevenbergMarquardt.from_config(dict(config, solver="normalequationsdual"))

@@ -153,10 +153,13 @@ class LevenbergMarquardt(FitStep, Supports):
         per step: docs/levenberg_marquardt.md, "The parts").
       scaling: "marquardt" (default, ``D^2`` = running max of diag(J^T J)) or
         "levenberg" (``D = I``).
-      solver: "cholesky" (default, normal equations), "qr" (augmented system,
-        for ill-conditioned problems), "dual" (J J^T, fewer residuals than
-        parameters) or "cg" (matrix-free conjugate gradients: neither J nor
-        J^T J is formed, memory O(N + P); needs scaling="levenberg").
+      solver: "auto" (default: "dual" where a step's residuals are
+        statically fewer than its parameters and it holds the whole
+        Jacobian, else "cholesky"; the same step either way), "cholesky"
+        (normal equations, P x P), "qr" (augmented system, for
+        ill-conditioned problems), "dual" (J D^-2 J^T, N x N) or "cg"
+        (matrix-free conjugate gradients: neither J nor J^T J is formed,
+        memory O(N + P); needs scaling="levenberg").
       max_attempts: damped solves per iteration before giving up (the weights
         are then restored exactly, and the next batch starts from this one's
         first damping restrained once: lambda x2, the trust radius /2).
@@ -222,7 +225,7 @@ class LevenbergMarquardt(FitStep, Supports):
     accepts_masks = True
 
     def __init__(self, model=None, controller="nielsen", scaling="marquardt",
-                 solver="cholesky", max_attempts=10, chunk_size=None, name=None,
+                 solver="auto", max_attempts=10, chunk_size=None, name=None,
                  initial_damping=None, minibatch_guard=True, residuals=None,
                  subset=None, linearization="auto", **kwargs):
         self._check_backend()
@@ -364,6 +367,15 @@ class LevenbergMarquardt(FitStep, Supports):
             return lm_minimize.MIXED
         return used
 
+    @property
+    def solver_used(self):
+        """The linear solver the last traced step solved with, by name:
+        under ``solver="auto"``, "dual" (the N x N system) where that step's
+        residuals were statically fewer than its parameters, else
+        "cholesky"; None before the first step."""
+        solver = getattr(self, "_step_solver", None)
+        return None if solver is None else parts_lib.part_name(solver)
+
     def _set_linearization_used(self, used, per_example=None):
         """Records ``used`` (logged when it changes) and, for minimize's
         checked taps, the check's outcome ``per_example`` (a bool tensor)."""
@@ -412,6 +424,7 @@ class LevenbergMarquardt(FitStep, Supports):
         # Plain attribute (no Keras tracking): trace-time Python state.
         object.__setattr__(self, "_step_support", self._support(var_list, tf_vars))
         object.__setattr__(self, "_step_constrain", variable_constraints(var_list))
+        object.__setattr__(self, "_step_solver", self.solver.for_shape(None, None))
         lin = lm_minimize.linearize(self, residual_fn, var_list, tf_vars, dtype,
                                     model, self._step_support)
         local_cost = lambda: lm_losses.half_sum_sq(residual_fn(), dtype)  # noqa: E731
@@ -462,7 +475,8 @@ class LevenbergMarquardt(FitStep, Supports):
         start = state.control
         state, info = step_lib.levenberg_marquardt_step(
             lin, cost_fn, tf_vars, state, controller=self.controller,
-            scaling=self.scaling, solver=self.solver,
+            scaling=self.scaling,
+            solver=getattr(self, "_step_solver", None) or self.solver,
             max_attempts=self.max_attempts,
             support=getattr(self, "_step_support", None),
             constrain=getattr(self, "_step_constrain", None))

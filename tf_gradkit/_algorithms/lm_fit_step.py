@@ -38,10 +38,25 @@ def check_residuals(residuals, chunk_size):
             "honour; use chunk_size=None with `residuals` (or smaller batches).")
 
 
-def linearize_for(solver, residual_fn, variables, dtype, support=None):
-    """The linearisation the solver consumes (`linear_solvers.FORMS`)."""
-    return lin_lib.linearize_as(solver.consumes, residual_fn, variables, dtype,
-                                support=support)
+def linearize_for(optimizer, residual_fn, variables, dtype, support=None):
+    """The linearisation the optimizer's solver consumes
+    (`linear_solvers.FORMS`), by automatic differentiation."""
+    if optimizer.solver.consumes == solvers_lib.MATRIX_FREE:
+        return lin_lib.linearize_as(solvers_lib.MATRIX_FREE, residual_fn, variables,
+                                    dtype, support=support)
+    return linearize_rows(optimizer, *lin_lib.residuals_and_jacobian(
+        residual_fn, variables, dtype, support=support))
+
+
+def linearize_rows(optimizer, residuals, jacobian):
+    """The `Linearization` of residuals [N] and their Jacobian [N, k] for the
+    solver this step uses (`FitStep._choose_solver`: the N x N dual system
+    when N < k under ``solver="auto"``); ``J^T J`` is formed only when that
+    solver reads it."""
+    solver = optimizer._choose_solver(residuals.shape[0], jacobian.shape[1])
+    jacobian_form = solver.consumes == solvers_lib.JACOBIAN
+    return lin_lib.from_rows(residuals, jacobian, jacobian_form,
+                             normal_matrix=not jacobian_form or solver.reads_normal_matrix)
 
 
 def require_normal_equations(solver, why):
@@ -113,6 +128,7 @@ class FitStep:
         support = self._support(variables, tf_vars)
         object.__setattr__(self, "_step_support", support)
         object.__setattr__(self, "_step_constrain", variable_constraints(variables))
+        object.__setattr__(self, "_step_solver", self.solver.for_shape(None, None))
 
         loss_weights = lm_losses.compiled_loss_weights(model)
 
@@ -163,11 +179,9 @@ class FitStep:
             lin = solvers_lib.Linearization(cost=0.5 * tf.reduce_sum(tf.square(r)),
                                             jtj=None, jtr=jtr, matvec=matvec)
         elif self.chunk_size is None and steps is not None:
-            lin = lin_lib.from_rows(
-                *tapped(residual_rows(x, y, sample_weight)),
-                self.solver.consumes == solvers_lib.JACOBIAN)
+            lin = linearize_rows(self, *tapped(residual_rows(x, y, sample_weight)))
         elif self.chunk_size is None:
-            lin = linearize_for(self.solver, lambda: residuals(x, y, sample_weight),
+            lin = linearize_for(self, lambda: residuals(x, y, sample_weight),
                                 tf_vars, dtype, support)
         else:
             lin = self._chunked(residuals, x, y, sample_weight, batch, tf_vars, dtype,
@@ -260,6 +274,16 @@ class FitStep:
             lambda i: residuals(*rows(i)), num_chunks, tf_vars, dtype,
             support=self._step_support,
             chunk_rows_fn=None if tapped is None else lambda i: tapped(*rows(i)))
+
+    def _choose_solver(self, rows, columns):
+        """The solver of this step: ``solver.for_shape(rows, columns)`` on
+        one replica (across replicas ``J^T J`` is summed, so the solver as
+        given), kept for `_step` as ``_step_solver``."""
+        if tf.distribute.get_strategy().num_replicas_in_sync > 1:
+            rows = None
+        solver = self.solver.for_shape(rows, columns)
+        object.__setattr__(self, "_step_solver", solver)
+        return solver
 
     def _tap_plan(self, model, variables, custom):
         """The tapped Jacobian's plan for this fit step, or None (autodiff);

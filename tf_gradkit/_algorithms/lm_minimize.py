@@ -15,7 +15,7 @@ of the last call is kept (``linearization_used``).
 
 import tensorflow as tf
 
-from tf_gradkit._algorithms.lm_fit_step import linearize_for
+from tf_gradkit._algorithms.lm_fit_step import linearize_for, linearize_rows
 from tf_gradkit.core.lm import linear_solvers as solvers_lib
 from tf_gradkit.core.lm import linearize as lin_lib
 from tf_gradkit.core.lm import parts as parts_lib
@@ -65,7 +65,7 @@ def linearize(optimizer, residual_fn, variables, tf_vars, dtype, model, support)
             steps, why = None, str(error)
     if steps is None:
         optimizer._set_linearization_used(f"autodiff: {why}")
-        return linearize_for(optimizer.solver, residual_fn, tf_vars, dtype, support)
+        return linearize_for(optimizer, residual_fn, tf_vars, dtype, support)
 
     def autodiff():
         return lin_lib.residuals_and_jacobian(residual_fn, tf_vars, dtype,
@@ -74,4 +74,4 @@ def linearize(optimizer, residual_fn, variables, tf_vars, dtype, model, support)
     r, jac = tf.cond(per_example, lambda: (r, lin_lib.on_support(jac, support)),
                      autodiff)
     optimizer._set_linearization_used(CHECKED, per_example)
-    return lin_lib.from_rows(r, jac, optimizer.solver.consumes == solvers_lib.JACOBIAN)
+    return linearize_rows(optimizer, r, jac)

@@ -11,6 +11,10 @@ and retry, inside the same compiled step.
   the precision ill-conditioned problems need (NIST Hahn1, Kirby2, Lanczos).
 - `NormalEquationsDual`: the ``J J^T`` form ``d = D^-2 J^T (J D^-2 J^T + lambda I)^-1 (-r)``,
   for fewer residuals than parameters (N x N instead of P x P).
+- `Auto`: `NormalEquationsDual` where a step's residuals are statically fewer
+  than its parameters, else `Cholesky` (the two give the same step: the
+  push-through identity ``(J^T J + lambda D^2)^-1 J^T = D^-2 J^T (J D^-2 J^T +
+  lambda I)^-1``); the Keras optimizer's default.
 - `ConjugateGradient`: matrix-free; applies ``J^T J`` as a Jacobian-vector
   product followed by a vector-Jacobian product, so neither J nor J^T J is
   ever formed (memory O(N + P), for models whose P^2 does not fit).
@@ -53,6 +57,7 @@ class Linearization(NamedTuple):
     residuals: Optional[tf.Tensor] = None
     jacobian: Optional[tf.Tensor] = None
     matvec: Optional[Callable] = None
+    jtj_diag: Optional[tf.Tensor] = None
 
 
 def gauss_newton_matvec(lin, v):
@@ -76,11 +81,21 @@ class Solver:
       ``lin``, and whether the solve succeeded (a failure makes the caller
       raise the damping and retry). Graph code, XLA-compilable.
     - ``get_config() -> dict``: the constructor's arguments.
+    - ``reads_normal_matrix``: whether ``solve`` reads ``lin.jtj`` (a
+      `JACOBIAN` solver that does not lets the caller skip forming it).
+    - ``for_shape(rows, columns) -> Solver``: the solver to use for a step
+      with that many residuals (None when not known statically) and
+      parameters; itself, unless the part chooses by shape (`Auto`).
 
     Register a new one in `SOLVERS` to make it known by name.
     """
 
     consumes = NORMAL_EQUATIONS
+    reads_normal_matrix = True
+
+    def for_shape(self, rows, columns):
+        del rows, columns
+        return self
 
     def solve(self, lin, damping, d2):
         raise NotImplementedError
@@ -108,6 +123,7 @@ class QR(Solver):
     """Householder QR of the augmented system ``[J; sqrt(lambda) D]``."""
 
     consumes = JACOBIAN
+    reads_normal_matrix = False
 
     def solve(self, lin, damping, d2):
         p = tf.shape(lin.jtr)[0]
@@ -121,18 +137,38 @@ class QR(Solver):
 
 
 class NormalEquationsDual(Solver):
-    """The ``J J^T`` form, for problems with fewer residuals than parameters."""
+    """The ``J J^T`` form, for problems with fewer residuals than parameters:
+    ``d = D^-2 J^T y`` with ``(J D^-2 J^T + lambda I) y = -r``, an N x N
+    system (the same step as `Cholesky`'s P x P one, for N < P at a cost of
+    ``N^2 P`` to form and ``N^3 / 3`` to factor, against ``N P^2`` and
+    ``P^3 / 3``)."""
 
     consumes = JACOBIAN
+    reads_normal_matrix = False
 
     def solve(self, lin, damping, d2):
-        jd = lin.jacobian / d2[None, :]                      # J D^-2
+        # (J D^-1)(J D^-1)^T: one symmetric product.
+        scaled = lin.jacobian * tf.math.rsqrt(d2)[None, :]
         n = tf.shape(lin.residuals)[0]
-        a = precision.matmul(jd, lin.jacobian, transpose_b=True) + damping * tf.eye(
+        a = precision.matmul(scaled, scaled, transpose_b=True) + damping * tf.eye(
             n, dtype=lin.jtr.dtype)
         y, ok = spd.solve(a, -lin.residuals[:, None])
-        step = precision.matvec(jd, y[:, 0], transpose_a=True)
+        step = precision.matvec(lin.jacobian, y[:, 0], transpose_a=True) / d2
         return step, tf.logical_and(ok, _finite(step))
+
+
+class Auto(Cholesky):
+    """`Cholesky` on whichever damped system is smaller: ``J^T J`` (P x P),
+    or ``J D^-2 J^T`` (N x N, `NormalEquationsDual`) when a step's N
+    residuals are statically fewer than its P parameters and its caller
+    holds the whole Jacobian (not chunks, not a sum over replicas, not a
+    generalised Gauss-Newton matrix: there it is `Cholesky`). Both give the
+    same step up to round-off. The Keras optimizer's default."""
+
+    def for_shape(self, rows, columns):
+        if rows is not None and columns is not None and rows < columns:
+            return NormalEquationsDual()
+        return Cholesky()
 
 
 class ConjugateGradient(Solver):
@@ -186,5 +222,5 @@ class ConjugateGradient(Solver):
         return step, _finite(step)
 
 
-SOLVERS = {"cholesky": Cholesky, "qr": QR, "dual": NormalEquationsDual,
+SOLVERS = {"auto": Auto, "cholesky": Cholesky, "qr": QR, "dual": NormalEquationsDual,
            "cg": ConjugateGradient}

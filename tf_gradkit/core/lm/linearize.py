@@ -148,9 +148,29 @@ def linearize(residual_fn, variables, needs_jacobian, dtype, mode="auto",
     return from_rows(residuals, jacobian, needs_jacobian)
 
 
-def from_rows(residuals, jacobian, needs_jacobian):
+def from_rows(residuals, jacobian, needs_jacobian, normal_matrix=True):
     """The `Linearization` of residuals [N] and their Jacobian [N, P] however
-    formed (automatic differentiation, or layer taps)."""
+    formed (automatic differentiation, or layer taps).
+
+    ``normal_matrix=False`` (with ``needs_jacobian``: for a solver whose
+    ``reads_normal_matrix`` is False) skips ``J^T J``, an ``N P^2`` product:
+    the linearisation then holds ``diag(J^T J)`` and ``v -> J^T (J v)``
+    from ``J``.
+    """
+    if not normal_matrix:
+        if not needs_jacobian:
+            raise ValueError("from_rows: normal_matrix=False needs "
+                             "needs_jacobian=True (the solver reads J instead).")
+
+        def matvec(v):
+            return precision.matvec(jacobian, precision.matvec(jacobian, v),
+                                    transpose_a=True)
+
+        return Linearization(
+            cost=0.5 * tf.reduce_sum(tf.square(residuals)), jtj=None,
+            jtr=precision.matvec(jacobian, residuals, transpose_a=True),
+            residuals=residuals, jacobian=jacobian, matvec=matvec,
+            jtj_diag=tf.reduce_sum(tf.square(jacobian), axis=0))
     jtj, jtr = normal_equations(jacobian, residuals)
     return Linearization(
         cost=0.5 * tf.reduce_sum(tf.square(residuals)),

@@ -95,8 +95,12 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
     x0 = [tf.identity(v) for v in variables]
     # Matrix-free linearisations have no diag(J^T J): only Levenberg scaling,
     # which ignores it, applies (the adapters check this at construction).
-    jtj_diag = (tf.linalg.diag_part(lin.jtj) if lin.jtj is not None
-                else tf.zeros_like(lin.jtr))
+    if lin.jtj is not None:
+        jtj_diag = tf.linalg.diag_part(lin.jtj)
+    elif lin.jtj_diag is not None:  # J held without J^T J (`from_rows`)
+        jtj_diag = lin.jtj_diag
+    else:
+        jtj_diag = tf.zeros_like(lin.jtr)
     old_scale = (state.scale if support is None
                  else tf.gather(state.scale, support.indices))
     scale = scaling.update(old_scale, jtj_diag)
