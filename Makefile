@@ -20,6 +20,15 @@ $(STAMP): $(PY) setup.cfg pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/accumulate_fit.py
 
+# The test runs compile hundreds of tiny XLA programs on the CPU, where LLVM's
+# optimisation of the generated code costs more than running it: at level 0
+# the jit battery cells take about a third less CPU time (measured 40 s vs
+# 61 s). Exported to every test process and example these targets start (a
+# user's own XLA_FLAGS are kept); `make test-gpu` keeps XLA's defaults.
+XLA_TEST_FLAGS := --xla_backend_optimization_level=0
+test test-keras3 test-tf-keras test-keras3-local test-tf-keras-local test-slow: \
+  export XLA_FLAGS := $(strip $(filter-out $(XLA_TEST_FLAGS),$(XLA_FLAGS)) $(XLA_TEST_FLAGS))
+
 # Each flavour runs in its own process: tfmot and TF_USE_LEGACY_KERAS fix the
 # flavour for the whole process, so the two must never share one.
 test-keras3: $(STAMP)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import compile_fn
+from conftest import MODES, compile_fn
 from helpers import alternate_mask, max_abs_diff, mlp, regression_data, variables_of
 
 from tf_gradkit import constraints as C
@@ -53,6 +53,18 @@ OPTIMIZERS = {
 
 NAMES = sorted(OPTIMIZERS)
 
+# The eager cells of the LM variants run under `make test-slow` only (10-15 s
+# each): their eager host path is the "levenberg-marquardt" eager cell's, and
+# their parts run eagerly in test_lm_trust_region.py (the trust-region
+# controller), test_levenberg_marquardt.py's
+# test_initial_damping_without_importing_the_core (multiply_divide) and
+# test_misuse.py / test_model_hooks.py (solver="qr"); their function and jit
+# cells (fit and custom loop) stay in the default run, in both flavours.
+EAGER_SLOW = {"levenberg-marquardt-qr-classic", "levenberg-marquardt-trust-region"}
+CELLS = [pytest.param(mode, name, marks=[pytest.mark.slow]
+                      if mode == "eager" and name in EAGER_SLOW else [])
+         for mode in MODES for name in NAMES]
+
 # What `from_config` needs besides the config (callables are not serialised).
 FROM_CONFIG_EXTRA = {
     "augmented-lagrangian-adam": lambda opt: {"constraints": opt.constraint_specs},
@@ -63,7 +75,7 @@ def _mse(model, x, y):
     return float(np.mean((model(x).numpy() - y) ** 2))
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("mode,name", CELLS)
 def test_fit_trains(K, gk, name, mode):
     x, y = regression_data(n=64)
     model = mlp(K, hidden=8)
@@ -78,7 +90,7 @@ def test_fit_trains(K, gk, name, mode):
     assert int(opt.iterations.numpy()) > 0
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("mode,name", CELLS)
 def test_custom_loop_trains(K, gk, name, mode):
     x, y = regression_data(n=64)
     model = mlp(K, hidden=8)

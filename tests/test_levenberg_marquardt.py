@@ -667,7 +667,10 @@ def test_minibatch_guard_changes_nothing_on_a_full_batch(K, gk, mode):
 
 
 def test_minibatch_guard_in_a_custom_loop(K, gk):
-    """minimize() over mini-batches: the same guard, same effect."""
+    """minimize() over mini-batches: the same guard, same effect. 20 epochs:
+    the guarded/unguarded MSE ratio was 0.37, 0.31, 0.16, 0.20 at epoch 20
+    against 0.34, 0.34, 0.24, 0.42 at epoch 40 (seeds 0-3, Keras 3), so the
+    shorter run separates the two as clearly."""
     x, y = _guard_data()
     results = {}
     for guard in (True, False):
@@ -680,7 +683,7 @@ def test_minibatch_guard_in_a_custom_loop(K, gk):
                                 model.trainable_variables)
 
         rng = np.random.default_rng(0)
-        for _ in range(40):
+        for _ in range(20):
             order = rng.permutation(384)
             for i in range(0, 384, 48):
                 step(x[order[i:i + 48]], y[order[i:i + 48]])
