@@ -251,7 +251,9 @@ def ratio_text(values):
 
 
 def seed_table(seed, results):
-    ours, peer = results.get("ours-jit"), results.get("peer")
+    # A contender that crashed has no figures to compare with.
+    ours, peer = ((r if r and "error" not in r else None)
+                  for r in (results.get("ours-jit"), results.get("peer")))
     lines = [f"### seed {seed}", "",
              "| contender | epochs | first epoch s | s/epoch (median, epochs 2..) | "
              "ms/step (median) | train s | final MSE | peer s/epoch / this | "
