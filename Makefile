@@ -76,12 +76,23 @@ KERAS_FREE_BESIDE_TF_KERAS := tests/test_nist.py tests/test_lm_trust_region.py \
 	tests/test_batched_least_squares.py tests/test_spd.py tests/test_projections.py \
 	tests/test_precision.py
 
+# Each side runs its files in two processes, one after the other: a process's
+# heap grows with every model and traced function its tests leave behind (7 GB
+# by the end of one Keras 3 process), and so does the cost of each test in it.
+TESTS_FIRST_HALF := $(sort $(wildcard tests/test_[a-k]*.py))
+TESTS_SECOND_HALF := $(sort $(wildcard tests/test_[l-z]*.py))
+
 test-keras3-local: $(STAMP)
-	TF_USE_LEGACY_KERAS=0 $(PYTEST) --durations=15 -m "not slow and not multiworker" \
-	  $(addprefix --ignore=,$(KERAS_FREE_BESIDE_TF_KERAS))
+	TF_USE_LEGACY_KERAS=0 $(PYTEST) --durations=10 -m "not slow and not multiworker" \
+	  $(filter-out $(KERAS_FREE_BESIDE_TF_KERAS),$(TESTS_FIRST_HALF))
+	TF_USE_LEGACY_KERAS=0 $(PYTEST) --durations=10 -m "not slow and not multiworker" \
+	  $(filter-out $(KERAS_FREE_BESIDE_TF_KERAS),$(TESTS_SECOND_HALF))
 
 test-tf-keras-local: $(STAMP)
-	TF_USE_LEGACY_KERAS=1 $(PYTEST) --durations=15 -m "not slow and not keras_free and not multiworker"
+	TF_USE_LEGACY_KERAS=1 $(PYTEST) --durations=10 -m "not slow and not keras_free and not multiworker" \
+	  $(TESTS_FIRST_HALF)
+	TF_USE_LEGACY_KERAS=1 $(PYTEST) --durations=10 -m "not slow and not keras_free and not multiworker" \
+	  $(TESTS_SECOND_HALF)
 	TF_USE_LEGACY_KERAS=0 $(PYTEST) --durations=5 -m "not slow and not multiworker" \
 	  $(KERAS_FREE_BESIDE_TF_KERAS)
 

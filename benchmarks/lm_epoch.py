@@ -15,10 +15,12 @@ epoch to Adam's:
     mode, one product per parameter, instead of from layer taps);
   - ``adam``: ``Adam(0.01)``.
 
-``--parts`` also times the pieces of one step, each compiled alone (XLA),
-median of 300 calls: Adam's forward and backward pass, the Jacobian from
-taps and by forward mode, ``J^T J`` and ``J^T r``, one damped Cholesky solve
-and one trial (a forward pass and its cost).
+``--parts`` also times the pieces of one step (XLA): Adam's forward and
+backward pass, the Jacobian from taps and by forward mode, ``J^T J`` and
+``J^T r``, one damped Cholesky solve and one trial (a forward pass and its
+cost), each run 200 times inside one compiled loop (its cost inside a step)
+and as a compiled call of its own (median of 300 calls: that plus one
+dispatch, about 0.2 ms on this CPU, which the pieces of a step share).
 
 ``--steps-per-execution N`` runs N steps per call for every contender (less
 of Keras's per-step work, which is most of a step here).
@@ -78,8 +80,29 @@ def run(names, epochs, steps_per_execution, x, y):
     return rows
 
 
+def in_loop_ms(piece, calls=200):
+    """Milliseconds per ``piece(e)`` when run ``calls`` times inside one
+    compiled loop (XLA), the median of 7 runs: the piece's own cost inside a
+    step, without the per-call dispatch (about 0.2 ms here) that timing it
+    as a compiled function of its own adds. ``e`` is a loop-carried scalar
+    (zero in value) the piece must add to its inputs, so XLA cannot hoist
+    it out of the loop."""
+    @tf.function(jit_compile=True)
+    def loop():
+        def body(i, carry):
+            total = tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32))
+                              for t in tf.nest.flatten(piece(carry * 1e-30))])
+            return i + 1, carry + 1e-30 * total
+        return tf.while_loop(lambda i, _: i < calls, body,
+                             (tf.constant(0), tf.constant(0.0)))[1]
+
+    return timing.median_ms(loop, repeats=7) / calls
+
+
 def parts(x, y):
-    """Milliseconds of each piece of one step on the first batch of 1000."""
+    """Milliseconds of each piece of one step on the first batch of 1000:
+    inside one compiled loop (what the piece costs in a step) and as a
+    compiled call of its own (that plus one dispatch)."""
     from tf_gradkit.core import spd
     from tf_gradkit.core.lm import linearize as lin_lib
     from tf_gradkit.gradients import tapped_jacobian
@@ -91,30 +114,36 @@ def parts(x, y):
     tf_vars = [getattr(v, "value", v) if not isinstance(v, tf.Variable) else v
                for v in variables]
     steps, _ = tapped_jacobian.plan(model, variables)
-    residuals = lambda: model(xb, training=True) - yb  # noqa: E731
 
-    def backward():
+    def residuals(e=0.0):
+        return model(xb + e, training=True) - yb
+
+    def backward(e):
         with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(residuals()))
+            loss = tf.reduce_mean(tf.square(residuals(e)))
         return tape.gradient(loss, tf_vars)
 
     jac = tapped_jacobian.residuals_and_jacobian(steps, variables, residuals,
                                                  tf.float32)[1]
     jtj = tf.matmul(jac, jac, transpose_a=True)
+    eye = tf.eye(jtj.shape[0])
     pieces = {
         "adam: forward + backward": backward,
-        "J from taps": lambda: tapped_jacobian.residuals_and_jacobian(
-            steps, variables, residuals, tf.float32),
-        "J by forward mode": lambda: lin_lib.residuals_and_jacobian(
-            residuals, tf_vars, tf.float32, mode="forward"),
-        "J^T J, J^T r": lambda: lin_lib.normal_equations(jac, jac[:, 0]),
-        "damped Cholesky solve": lambda: spd.solve(
-            jtj + 1e-3 * tf.eye(jtj.shape[0]), jtj[:, :1]),
-        "one trial (forward, cost)": lambda: tf.reduce_sum(tf.square(residuals())),
+        "J from taps": lambda e: tapped_jacobian.residuals_and_jacobian(
+            steps, variables, lambda: residuals(e), tf.float32),
+        "J by forward mode": lambda e: lin_lib.residuals_and_jacobian(
+            lambda: residuals(e), tf_vars, tf.float32, mode="forward"),
+        "J^T J, J^T r": lambda e: lin_lib.normal_equations(jac + e, jac[:, 0]),
+        "damped Cholesky solve": lambda e: spd.solve(jtj + (1e-3 + e) * eye,
+                                                     jtj[:, :1]),
+        "one trial (forward, cost)": lambda e: tf.reduce_sum(tf.square(residuals(e))),
     }
+    print(f"  {'piece':28s} {'in a loop':>10s} {'own call':>10s}")
     for name, fn in pieces.items():
-        ms = timing.median_ms(tf.function(fn, jit_compile=True), repeats=300)
-        print(f"  {name:28s} {ms:6.3f} ms", flush=True)
+        looped = in_loop_ms(fn)
+        alone = timing.median_ms(tf.function(lambda fn=fn: fn(tf.constant(0.0)),
+                                             jit_compile=True), repeats=300)
+        print(f"  {name:28s} {looped:7.3f} ms {alone:7.3f} ms", flush=True)
 
 
 def main():
@@ -131,7 +160,7 @@ def main():
     print(f"{flavour}, sinc 1-20-1, batch 1000, {args.epochs} epochs, "
           f"steps_per_execution={args.steps_per_execution}")
     if args.parts:
-        print("part-by-part, one batch of 1000, XLA, median of 300 calls:")
+        print("part-by-part, one batch of 1000, XLA:")
         parts(x, y)
     for repeat in range(args.repeats):
         rows = run(names, args.epochs, args.steps_per_execution, x, y)
