@@ -80,7 +80,7 @@ KERAS_FREE_BESIDE_TF_KERAS := tests/test_nist.py tests/test_lm_trust_region.py \
 # heap grows with every model and traced function its tests leave behind (7 GB
 # by the end of one Keras 3 process), and so does the cost of each test in it.
 TESTS_FIRST_HALF := $(sort $(wildcard tests/test_[a-k]*.py))
-TESTS_SECOND_HALF := $(sort $(wildcard tests/test_[l-z]*.py))
+TESTS_SECOND_HALF := $(filter-out $(TESTS_FIRST_HALF),$(sort $(wildcard tests/test_*.py)))
 
 test-keras3-local: $(STAMP)
 	TF_USE_LEGACY_KERAS=0 $(PYTEST) --durations=10 -m "not slow and not multiworker" \

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import mode_with_function_slow
+from conftest import compile_fn, mode_with_function_slow
 from helpers import float32_matmuls, weights_of
 
 mode = mode_with_function_slow()
@@ -83,8 +83,8 @@ def test_auto_with_sample_weights_and_levenberg_scaling(K, gk):
     _assert_same_steps(after, after_ref, before)
 
 
-def test_minimize_auto_equals_cholesky(K, gk):
-    # Eager: the compiled dual step is the fit tests' (the same solver part).
+@pytest.mark.parametrize("mode_", ["eager", "jit"])
+def test_minimize_auto_equals_cholesky(K, gk, mode_):
     results = []
     for solver in ("auto", "cholesky"):
         model, x, y = _wide(K, rows=8)
@@ -93,9 +93,11 @@ def test_minimize_auto_equals_cholesky(K, gk):
         def residuals(model=model):
             return model(x) - y
 
+        step = compile_fn(lambda opt=opt, model=model, residuals=residuals: opt.minimize(
+            residuals, model.trainable_variables, model=model), mode_)
         before = weights_of(model)
         for _ in range(3):
-            opt.minimize(residuals, model.trainable_variables, model=model)
+            step()
         results.append((opt.solver_used, weights_of(model)))
     (used, after), (used_ref, after_ref) = results
     assert (used, used_ref) == ("dual", "cholesky")
