@@ -42,7 +42,7 @@ def _process():
 # is recorded with the line it was called from (the innermost frame in the
 # block's own code), so each check reads the output of its own line.
 _RUNNER = r"""
-import builtins, json, sys, traceback
+import builtins, json, sys, time, traceback
 blocks = json.loads(sys.stdin.read())
 namespace = None
 for name, code, continues, next_continues in blocks:
@@ -59,6 +59,7 @@ for name, code, continues, next_continues in blocks:
         namespace = {"__name__": "__main__"}
     import tensorflow as tf
     namespace["print"] = tf.autograph.experimental.do_not_convert(recorder)
+    start = time.perf_counter()
     try:
         exec(compile(code, name, "exec"), namespace)
         result = None
@@ -68,7 +69,8 @@ for name, code, continues, next_continues in blocks:
         tf.keras.mixed_precision.set_global_policy("float32")
         tf.keras.backend.clear_session()
     sys.stdout.flush()
-    builtins.print("@@DOCS@@" + json.dumps([name, result, printed]), flush=True)
+    builtins.print("@@DOCS@@" + json.dumps([name, result, printed, time.perf_counter() - start]),
+                   flush=True)
 """
 
 
@@ -85,13 +87,14 @@ def docs_run():
         [str(docs_blocks.ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     out = subprocess.run([sys.executable, "-c", _RUNNER], env=env, cwd=docs_blocks.ROOT,
                          input=json.dumps(mine), capture_output=True, text=True, timeout=900)
-    results = {}
+    results, timings = {}, {}
     for line in out.stdout.splitlines():
         if line.startswith("@@DOCS@@"):
-            name, error, printed = json.loads(line[len("@@DOCS@@"):])
+            name, error, printed, seconds = json.loads(line[len("@@DOCS@@"):])
             results[name] = (error, printed)
-    if os.environ.get("DOCS_DUMP"):
-        pathlib.Path(os.environ["DOCS_DUMP"]).write_text(json.dumps(results, indent=1))
+            timings[name] = seconds
+    if os.environ.get("DOCS_TIMINGS"):  # where to write each block's seconds (JSON)
+        pathlib.Path(os.environ["DOCS_TIMINGS"]).write_text(json.dumps(timings, indent=1))
     return results, out.stderr[-3000:]
 
 
