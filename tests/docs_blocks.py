@@ -17,7 +17,11 @@ right before the fence (invisible on the rendered page) says how it runs::
                                  examples/Y.py, which `make test` runs
 
 Words combine (`<!-- docs: tf_keras continues -->`). A block without a comment
-is flavour-neutral and runs once, in the Keras 3 process.
+is flavour-neutral and runs once: in the Keras 3 process when it is at an even
+place among its page's Python blocks (0, 2, ...), in the tf_keras process at
+an odd one (a `continues` block where the block it continues runs). So the
+two sides of `make test`, which run side by side, share the cost, and each
+flavour runs flavour-neutral blocks.
 """
 
 import ast
@@ -41,6 +45,7 @@ class Block:
     line: int        # the fence's line in the page
     code: str
     marker: str      # the comment's words, "" without one
+    process: str = "keras3"   # "keras3" or "tf_keras": the pytest process whose runner runs it
 
     @property
     def id(self):
@@ -58,19 +63,25 @@ class Block:
     def runs(self):
         return not any(w in self.words for w in WITH_ARGUMENT)
 
-    @property
-    def process(self):
-        """"tf_keras" or "keras3": the pytest process whose runner runs it."""
-        return "tf_keras" if "tf_keras" in self.words else "keras3"
-
 
 def blocks():
     for path in PAGES:
         text = path.read_text()
         page = str(path.relative_to(ROOT))
+        previous = None
         for i, match in enumerate(FENCE.finditer(text)):
             line = text[:match.start("code")].count("\n")
-            yield Block(page, i, line, match.group("code"), (match.group("marker") or "").strip())
+            block = Block(page, i, line, match.group("code"), (match.group("marker") or "").strip())
+            if "tf_keras" in block.words:
+                block.process = "tf_keras"
+            elif "keras3" in block.words:
+                block.process = "keras3"
+            elif "continues" in block.words and previous is not None:
+                block.process = previous.process
+            else:
+                block.process = "keras3" if i % 2 == 0 else "tf_keras"
+            previous = block
+            yield block
 
 
 def marker_problems(block):
