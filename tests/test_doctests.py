@@ -9,7 +9,7 @@ namespace is its module's globals, then the public API over them (so
 process's flavour, as a user's `tf_gradkit.optimizers.GradientAccumulator`),
 then what the examples take as given, as a reader of a docstring does:
 `tf`, `np`, `keras` (the process's `tf.keras`), `tf_gradkit`, and a small
-`model` (8 -> Dense(16, name="dense") -> Dense(1), compiled with SGD and MSE)
+`model` (8 -> Dense(16, name="dense") -> Dense(1, name="out"), compiled with SGD and MSE)
 with data `x` (64 x 8) and `y` (64 x 1), `dataset` (them in batches of 8) and
 `loss_fn` (mean squared error).
 
@@ -67,7 +67,7 @@ def _given():
     keras = tf.keras
     rng = np.random.RandomState(0)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="dense"),
-                              keras.layers.Dense(1)])
+                              keras.layers.Dense(1, name="out")])
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     x, y = rng.randn(64, 8).astype("float32"), rng.randn(64, 1).astype("float32")
     return {"tf": tf, "np": np, "keras": keras, "tf_gradkit": tf_gradkit, "model": model,
@@ -76,15 +76,17 @@ def _given():
 
 
 def _examples():
+    """Each docstring with examples once (a public class made per flavour
+    carries its algorithm's docstring: run where the algorithm is defined)."""
     finder = doctest.DocTestFinder(recurse=True, exclude_empty=True)
-    seen, found = set(), []
+    found = {}
     for name in _modules():
         module = importlib.import_module(name)
         for test in finder.find(module, name):
-            if test.examples and (test.filename, test.lineno) not in seen:
-                seen.add((test.filename, test.lineno))
-                found.append(test)
-    return sorted(found, key=lambda t: t.name)
+            if test.examples and (test.docstring not in found or (
+                    test.lineno is not None and found[test.docstring].lineno is None)):
+                found[test.docstring] = test
+    return sorted(found.values(), key=lambda t: t.name)
 
 
 TESTS = _examples()
