@@ -213,4 +213,31 @@ EXPECT = {
         Numbers(1.75, 0.75, 0.75, **F32),
     ("docs/weighted_aggregation.md", "print(server[0].numpy()[0, 0])   # (50 * 1 + 10 * 4) / 60 = 1.5"):
         Numbers(1.5, **F32),
+    ("docs/accum_batchnorm.md", "print(bn.moving_mean.numpy()[:4], bn.moving_variance.numpy()[:4])"
+                                "   # about [0.45 ...] [1.45 ...]"): Check(
+        lambda n, t: len(n) == 8 and all(abs(m - 0.446) < 0.06 for m in n[:4])
+        and all(abs(v - 1.447) < 0.2 for v in n[4:]),
+        "16 updates: mean 3 (1 - 0.99**16) = 0.446, variance 0.99**16 + 4 (1 - 0.99**16) = 1.447, "
+        "within the data's sampling noise (each window's mean of 32 draws of std 2: 0.35, averaged "
+        "over 16 windows by the moving average); 64 updates would be 1.42 and 2.42"),
+    ("docs/constraints.md", "print(w.numpy(), w.numpy().sum())   # [[0. 0. 1.]] 1.0"):
+        Numbers(0, 0, 1, 1, **F32),
+    ("docs/distributed.md", "print(bool(ready), value.numpy(), int(acc.global_step))   # True [1. 1.] 1"):
+        Text("True [1. 1.] 1"),
+    ("docs/gpu_and_xla.md", 'print("max error, split products:", np.max(np.abs(split - exact)))   '
+                            "# ~6e-4: float32's"): Check(
+        lambda n, t: 0 <= n[0] < 2e-3, "float32's error on sums of 1000 products of order 1000 "
+        "(~6e-4; below 2e-3)"),
+    ("docs/gpu_and_xla.md", 'print("max error, TF32 products: ", np.max(np.abs(tf32 - exact)))    '
+                            "# ~6e-2: 100 times more"): Check(
+        lambda n, t: 0.02 < n[0] < 0.2, "TF32's 10-bit mantissa: ~6e-2, 30 to 300 times float32's"),
+    # No comment on the page: the fit recovers the data's own a = 2, b = 1.5 (exact data, float32).
+    ("docs/levenberg_marquardt.md", "print(float(a), float(b), float(cost))"): Check(
+        lambda n, t: abs(n[0] - 2) < 1e-4 and abs(n[1] - 1.5) < 1e-4 and 0 <= n[2] < 1e-8,
+        "a = 2, b = 1.5 to float32 accuracy (1e-4), cost near 0"),
+    # The sinc fit: the page shows the history's keys; the fit is good (y's variance is ~0.05).
+    ("docs/levenberg_marquardt.md", 'print(history.history["loss"][-1], history.history["damping"][-1], '
+                                    'history.history["attempts"][-1])'): Check(
+        lambda n, t: 0 <= n[0] < 0.01 and n[1] > 0 and n[2] >= 1,
+        "a fitted sinc (MSE below 0.01), a positive damping, at least one attempt"),
 }
