@@ -2,13 +2,15 @@
 page says (issue 40).
 
 How a block declares where and whether it runs: `tests/docs_blocks.py`
-(an HTML comment before the fence). Blocks run once each: the Keras 3 ones
-and the flavour-neutral ones in one interpreter started by the Keras 3 pytest
-process, the tf_keras ones (tfmot) in one started by the tf_keras process;
-each block in a fresh namespace (or, marked `continues`, in the one its
-page's previous block left), Keras's global state reset between blocks.
-TensorFlow's import is paid once per process, so the cost is the blocks'
-own: keep them small.
+(an HTML comment before the fence). Each block runs once, in the process its
+comment names (tf_keras for tfmot blocks, keras3 for `import keras` ones) or,
+flavour-neutral, the one its place on its page picks (the two sides of
+`make test` share the cost). Each pytest process starts one interpreter that
+runs its blocks in order, each in a fresh namespace (or, marked `continues`,
+in the one its page's previous block left), Keras's global state reset
+between blocks. TensorFlow's import is paid once per process, so the cost is
+the blocks' own: keep them small (`DOCS_TIMINGS=file.json` writes each
+block's seconds).
 
 A `print(...)` line with a trailing comment shows its output: the comment is
 a claim about what it prints, and `tests/docs_expected.py` holds the check
