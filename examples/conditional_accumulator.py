@@ -88,6 +88,12 @@ def main():
     print(f"accumulated now: {int(acc.num_accumulated())}, "
           f"dropped as stale: {int(acc.num_dropped())}, "
           f"global step: {int(acc.global_step)}")
+    # What the docs say it shows: a take that was not ready changed nothing, the slow
+    # gradient was dropped. w by hand: step 1 takes the mean of -[4, 0] and -[2, -2], so
+    # w = 0.5 * [3, -1] = [1.5, -0.5]; step 2 the fast producer's [-2.5, -0.5] twice, so
+    # w = [1.5, -0.5] + 0.5 * [2.5, 0.5] = [2.75, -0.25] (binary fractions: exact in float32).
+    assert (int(acc.num_accumulated()), int(acc.num_dropped()), int(acc.global_step)) == (0, 1, 2)
+    assert w.numpy().tolist() == [2.75, -0.25], w.numpy()
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ def main():
           f"their mean multiplier {float(lam_w[w.numpy() < 1e-3].mean()):.3e}")
     print(f"max constraint violation max(-W, -H, 0): {violation:.2e}")
     assert violation <= 1e-4, violation
-    assert relative_error < 0.05, relative_error
+    assert relative_error < 0.01, relative_error   # docs/constraints.md quotes 0.0048
 
 
 if __name__ == "__main__":

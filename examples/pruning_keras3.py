@@ -6,10 +6,14 @@ first 60% of the updates, masks recomputed every 10 updates), next to the
 same model trained dense. Prints both test accuracies, each kernel's
 sparsity, and checks that the pruned weights and Adam's moments on them are
 exactly zero, and that the saved .keras file is the pruned model (no
-strip_pruning step). Falls back to synthetic data without scikit-learn.
+strip_pruning step). Asserts what docs/pruning_keras3.md says it shows: both
+models near 98% on the held-out digits, 80% of each kernel zero. Without
+scikit-learn (its data) it says so and how to install it, and stops: it
+never trains on other data in its place.
 """
 
 import os
+import sys
 import tempfile
 
 import numpy as np
@@ -21,12 +25,13 @@ from tf_gradkit import pruning
 def data():
     try:
         from sklearn.datasets import load_digits
-        digits = load_digits()
-        x, y = (digits.data / 16.0).astype("float32"), digits.target.astype("int32")
-    except ImportError:  # scikit-learn is a benchmark extra
-        rng = np.random.RandomState(0)
-        x = rng.rand(1797, 64).astype("float32")
-        y = (x[:, :10].argmax(1)).astype("int32")
+    except ImportError:
+        print("SKIPPED examples/pruning_keras3.py: it trains on scikit-learn's digits, and "
+              "scikit-learn is not installed. Install it: pip install scikit-learn "
+              "(or pip install -e \".[test]\").")
+        sys.exit(0)
+    digits = load_digits()
+    x, y = (digits.data / 16.0).astype("float32"), digits.target.astype("int32")
     order = np.random.RandomState(0).permutation(len(x))
     x, y = x[order], y[order]
     return (x[:1437], y[:1437]), (x[1437:], y[1437:])
@@ -65,3 +70,9 @@ net.save(path)
 kernel = keras.models.load_model(path).layers[0].kernel.numpy()
 print(f"saved and loaded: {100 * np.mean(kernel == 0):.1f}% of the first kernel is zero")
 assert np.mean(kernel == 0) > 0.79
+# docs/pruning_keras3.md: about 98% on the digits, dense and pruned (40 epochs, 3 seeds). This
+# run has 20 epochs and one seed: at least 95% each, and pruning costs at most 2 points.
+assert results["dense"][2] >= 0.95 and accuracy >= 0.95, (results["dense"][2], accuracy)
+assert accuracy >= results["dense"][2] - 0.02, (results["dense"][2], accuracy)
+# 80% of each kernel, to one entry (the smallest kernel has 1280 entries).
+assert all(abs(s - 0.8) <= 1 / 1280 for s in opt.sparsity().values()), opt.sparsity()

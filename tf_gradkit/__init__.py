@@ -68,9 +68,9 @@ def attach(model):
 
     Example:
 
-    >>> model.compile(optimizer=GradientAccumulator.from_config(config), loss="mse")
-    >>> tf_gradkit.attach(model)
-    >>> model.fit(x, y)
+    >>> model.compile(optimizer=GradientAccumulator.from_config(config), loss="mse")  # doctest: +SKIP
+    >>> tf_gradkit.attach(model)  # doctest: +SKIP
+    >>> model.fit(x, y)  # doctest: +SKIP
     """
     from tf_gradkit._optimizer_tree import optimizer_chain  # noqa: PLC0415
 
@@ -97,9 +97,9 @@ def load_optimizer_state(model, saved_model_dir):
 
     Example:
 
-    >>> model = tf_keras.models.load_model("run_dir")
-    >>> tf_gradkit.load_optimizer_state(model, "run_dir")
-    >>> tf_gradkit.attach(model)
+    >>> model = tf_keras.models.load_model("run_dir")  # doctest: +SKIP
+    >>> tf_gradkit.load_optimizer_state(model, "run_dir")  # doctest: +SKIP
+    >>> tf_gradkit.attach(model)  # doctest: +SKIP
     """
     import os  # noqa: PLC0415
 

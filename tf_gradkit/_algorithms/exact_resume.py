@@ -117,8 +117,9 @@ class ExactBackupAndRestore:
 
     Example:
 
+    >>> import tempfile
     >>> backup = tf_gradkit.callbacks.ExactBackupAndRestore(
-    ...     dataset, "/tmp/backup", save_freq=50)
+    ...     dataset, tempfile.mkdtemp(), save_freq=50)  # a folder of this run's own
     >>> model.fit(backup.dataset, epochs=10, callbacks=[backup])
 
     Under Keras 3 the callback ends the resumed epoch itself (``fit`` would

@@ -215,7 +215,7 @@ class LevenbergMarquardt(FitStep, Supports):
     Example:
 
     >>> model.compile(optimizer=LevenbergMarquardt(model), loss="mse")
-    >>> model.fit(x, y, batch_size=1000, epochs=100)
+    >>> model.fit(x, y, batch_size=1000, epochs=20)
     
     """
 

@@ -125,7 +125,7 @@ class MagnitudePruning(MaskedUpdate):
     ...                                              end_step=1000, frequency=100)
     >>> opt = tf_gradkit.pruning.MagnitudePruning(keras.optimizers.Adam(1e-3),
     ...                                           model=model, schedule=schedule)
-    >>> model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    >>> model.compile(optimizer=opt, loss="mse")
     >>> model.fit(x, y, epochs=10)   # no callback; model.save() saves it pruned
     """
 

@@ -163,10 +163,10 @@ class MaskAware(MaskedUpdate):
 
     Example:
 
-    >>> pruned = tfmot.sparsity.keras.prune_low_magnitude(model, schedule)
-    >>> opt = MaskAware(tf_keras.optimizers.Adam(1e-3), model=pruned)
-    >>> pruned.compile(optimizer=opt, loss="mse")
-    >>> pruned.fit(x, y, callbacks=[UpdatePruningStepFromOptimizer()])
+    >>> pruned = tfmot.sparsity.keras.prune_low_magnitude(model, schedule)  # doctest: +SKIP
+    >>> opt = MaskAware(tf_keras.optimizers.Adam(1e-3), model=pruned)  # doctest: +SKIP
+    >>> pruned.compile(optimizer=opt, loss="mse")  # doctest: +SKIP
+    >>> pruned.fit(x, y, callbacks=[UpdatePruningStepFromOptimizer()])  # doctest: +SKIP
     """
 
     ACCEPTED = "optimizer, model, masks, name"

@@ -17,6 +17,8 @@ import importlib
 import sys
 import types
 
+import tensorflow as tf
+
 from tf_gradkit import _flavour
 
 # name -> (algorithm module, the host class it stands on)
@@ -31,12 +33,20 @@ OPTIMIZERS = {
 }
 
 
+@tf.autograph.experimental.do_not_convert
 def host_of(obj):
     """The host module (`keras3`, `tf_keras`) of the Keras that ``obj`` (a
     model, layer, optimizer, variable, loss or callback) belongs to, or None
     when it belongs to none. Asked of the object (each host's ``serves``),
     never of the environment; a flavour whose Keras is not imported serves
-    nothing and is not imported."""
+    nothing and is not imported.
+
+    Plain Python about the object, run as it is when a `tf.function` traces
+    a step that asks it: left to AutoGraph, its `importlib.import_module`
+    call was converted down to `importlib._bootstrap._gcd_import`, which
+    AutoGraph cannot read, and every custom `tf.function` loop with a
+    tf_gradkit wrapper printed "AutoGraph could not transform
+    `_gcd_import`" (issue 40)."""
     for flavour, keras_module in _flavour.KERAS_MODULES.items():
         if keras_module in sys.modules:
             host = importlib.import_module(f"{__name__}.{flavour}")

@@ -182,15 +182,15 @@ class PruningStepper:
 
     Example:
 
-    >>> stepper = PruningStepper(pruned, opt)
-    >>> @tf.function
+    >>> stepper = PruningStepper(pruned, opt)  # doctest: +SKIP
+    >>> @tf.function  # doctest: +SKIP
     ... def train_step(x, y):
     ...     stepper.before_step()
     ...     with tf.GradientTape() as tape:
     ...         loss = loss_fn(y, pruned(x, training=True))
     ...     grads = tape.gradient(loss, pruned.trainable_variables)
     ...     opt.apply_gradients(zip(grads, pruned.trainable_variables))
-    >>> final = stepper.strip()
+    >>> final = stepper.strip()  # doctest: +SKIP
     """
 
     def __init__(self, model, optimizer=None):

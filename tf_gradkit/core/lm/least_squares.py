@@ -198,7 +198,7 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
     >>> y = 2.5 * tf.exp(-0.3 * x)
     >>> result = least_squares(lambda: a * tf.exp(-b * x) - y, [a, b])
     >>> round(float(a), 6), round(float(b), 6), result.reason
-    (2.5, 0.3, 'gradient tolerance')
+    (2.5, 0.3, 'step tolerance')
     """
     var_list = _variables(var_list)
     if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) \

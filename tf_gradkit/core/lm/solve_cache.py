@@ -92,7 +92,11 @@ class SolveCache:
     Example:
 
     >>> cache = SolveCache(maxsize=4)
+    >>> f = lambda x: 2.0 * x
     >>> fn, hit = cache.lookup(("my solve", 3), lambda: tf.function(f))
+    >>> fn, hit = cache.lookup(("my solve", 3), lambda: tf.function(f))
+    >>> hit, cache.info().hits, cache.info().misses
+    (True, 1, 1)
     """
 
     def __init__(self, maxsize=DEFAULT_MAXSIZE):
