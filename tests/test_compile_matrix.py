@@ -243,13 +243,13 @@ FAST_OPTIONS = {"defaults", "loss_weights_dict_by_name"}
 FAST_CELLS = {
     ("accumulate", "evaluate_mid_window"), ("accumulate", "train_on_batch"),
     ("accumulate", "steps_per_execution"), ("accumulate", "class_weight"),
-    ("accumulate", "sample_weight"), ("accumulate", "initial_epoch_resume"),
+    ("accumulate", "sample_weight"),
     ("lm", "loss_per_output"), ("lm", "huber_per_output_delta"),
-    ("lm", "steps_per_execution"), ("lm", "clipnorm"), ("lm", "lr_schedule"),
+    ("lm", "clipnorm"), ("lm", "lr_schedule"),
     ("projected", "clipnorm"), ("projected", "pydataset"),
     ("projected", "huber_per_output_delta"),
     ("lagrangian", "clipvalue"), ("lagrangian", "tf_data"),
-    ("frank-wolfe", "lr_schedule"), ("frank-wolfe", "clipvalue"), ("frank-wolfe", "no_jit"),
+    ("frank-wolfe", "lr_schedule"), ("frank-wolfe", "clipvalue"),
     ("mask-aware", "jit_compile"), ("mask-aware", "run_eagerly"),
     ("pruning", "global_clipnorm"), ("pruning", "validation_data"),
     ("pruning", "initial_epoch_resume")}
@@ -521,7 +521,7 @@ def _feed(K, cell):
         batches.append(item + ((sw[b],) if sw is not None else ()))
     if cell.feed == "tf.data":  # a list of targets travels as a tuple
         parts = (x, tuple(y) if isinstance(y, list) else y) + ((sw,) if sw is not None else ())
-        return {"x": tf.data.Dataset.from_tensor_slices(parts).batch(BATCH)}
+        return {"x": tf.data.Dataset.from_tensor_slices(parts).batch(BATCH), "shuffle": False}
     base = K.utils.PyDataset if K3 else K.utils.Sequence
 
     class Batches(base):
