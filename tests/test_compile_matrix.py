@@ -173,7 +173,10 @@ def _huber(delta):
     return ("huber", delta)
 
 
-TWO = ("list", "dict")
+# Every number Keras is given is exact in float32 (loss weights, class
+# weights, Huber deltas: 0.125, not 0.1): tf_keras makes a float32 tensor of
+# a Python float before casting it (``tf.cast(0.1, float64)`` is
+# 0.10000000149), and so does LevenbergMarquardt with loss weights (reported).
 # name -> Cell. The option axis; every optimizer crosses every entry.
 OPTIONS = {
     "defaults": Cell(),
@@ -215,8 +218,8 @@ OPTIONS = {
                             loss_arg=lambda K: ["mse", K.losses.Huber(0.5)],
                             control="losses"),
     "huber_per_output_delta": Cell(
-        outputs="list", losses=(_huber(1.0), _huber(0.1)),
-        loss_arg=lambda K: [K.losses.Huber(1.0), K.losses.Huber(0.1)], control="losses"),
+        outputs="list", losses=(_huber(1.0), _huber(0.125)),
+        loss_arg=lambda K: [K.losses.Huber(1.0), K.losses.Huber(0.125)], control="losses"),
 }
 
 # Cells the package refuses, with what the message must say.
