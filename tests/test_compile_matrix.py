@@ -495,9 +495,9 @@ def make_optimizer(K, gk, name, cell, model):
     if name == "mask-aware":
         return gk.MaskAware(sgd, masks=[(kernel, MASK)])
     if name == "pruning":
-        # A path pattern: targets=[kernel] prunes every kernel of a Keras 3
-        # functional model (reported in issue 38's matrix notes).
-        return gk.MagnitudePruning(sgd, model=model, targets=["h/kernel"],
+        # The variable itself: in a Keras 3 functional model its path is
+        # "h/kernel", which targets once cut to "kernel" (every kernel).
+        return gk.MagnitudePruning(sgd, model=model, targets=[kernel],
                                    schedule=ConstantSparsity(0.5, 1, 1, 1))
     raise KeyError(name)
 
