@@ -191,9 +191,18 @@ class MagnitudePruning(MaskedUpdate):
             else:
                 raise ValueError(f"{_OWNER}: `targets` entries must be layers, "
                                  f"variables or path patterns. Received: {item!r}")
-            patterns += [f"(^|/){re.escape(self._path_below_model(v))}(:0)?$"
+            patterns += [f"(^|/){re.escape(self._target_path(v))}(:0)?$"
                          for v in variables]
         return patterns
+
+    def _target_path(self, variable):
+        """The path a variable target is kept (and saved) as: the path below
+        the model's name (a rebuilt model may be named ``sequential_1``)
+        where that still names the layer, else the whole path. Keras 3
+        names a functional model's variables ``layer/kernel``, without the
+        model: cut there, ``kernel`` alone would match every layer's kernel."""
+        below = self._path_below_model(variable)
+        return below if "/" in below else self._path(variable)
 
     def _resolve(self, variables):
         """The variables of ``variables`` that are pruned; raises on a
