@@ -739,3 +739,35 @@ def test_bad_accumulator_dtype_is_refused_by_name(K, gk, bad):
     with pytest.raises(ValueError, match=r"`accumulator_dtype` must be one of \(None, "
                        rf"'float32', 'float64'\).*Received: accumulator_dtype={re.escape(repr(bad))}"):
         gk.GradientAccumulator(K.optimizers.SGD(0.1), 2, accumulator_dtype=bad)
+
+
+def test_sixteen_bit_window_checkpointed_mid_window_keeps_its_float32_sums(K, gk, tmp_path):
+    # Saved after 3 of 8 micro-batches and restored into a new optimizer, the
+    # float32 sums come back unrounded: the resumed window ends where the
+    # hand-made float32 window does (a bfloat16 sum of the same gradients ends
+    # elsewhere: the control of test_sixteen_bit_windows_are_summed_in_float32).
+    y = _y16("bfloat16")
+
+    def run(model, opt, calls):
+        step = make_train_step(model, opt, "eager")
+        for i in calls:
+            step(tf.ones((1, 1), "bfloat16"), tf.constant(y[i:i + 1], "bfloat16"),
+                 sample_count=1)
+
+    first = _sixteen_bit_model(K, "bfloat16")
+    first_opt = gk.GradientAccumulator(K.optimizers.SGD(1.0), steps=8)
+    run(first, first_opt, range(3))
+    path = tf.train.Checkpoint(model=first, optimizer=first_opt).save(str(tmp_path / "c"))
+    resumed = _sixteen_bit_model(K, "bfloat16")
+    resumed_opt = gk.GradientAccumulator(K.optimizers.SGD(1.0), steps=8)
+    resumed_opt.build(resumed.trainable_variables)
+    tf.train.Checkpoint(model=resumed, optimizer=resumed_opt).restore(
+        path).assert_existing_objects_matched()
+    restored = resumed_opt._state.acc_grads[0]
+    assert restored.dtype == tf.float32
+    np.testing.assert_array_equal(restored.numpy().ravel(), [-2.0 * y[:3].sum()])
+    run(resumed, resumed_opt, range(3, 8))
+    assert int(resumed_opt.iterations.numpy()) == 1
+    np.testing.assert_array_equal(
+        resumed.trainable_variables[0].numpy().astype("float32"),
+        [[_sixteen_bit_window("bfloat16", "float32")]])
