@@ -663,9 +663,9 @@ def test_import_sets_no_environment_and_imports_no_keras():
 # gradients add up to about -257: a 16-bit running sum rounds there (spacing
 # 2 in bfloat16, 0.25 in float16) where a float32 sum is exact (every partial
 # sum needs fewer than 24 bits).
-def _y16(dtype):
+def _y16(dtype, steps=tuple(range(1, 9))):
     spacing = {"bfloat16": 2.0 ** -3, "float16": 2.0 ** -6}[dtype]
-    return (16.0 + spacing * (1 + np.arange(8))).astype("float32").reshape(8, 1)
+    return (16.0 + spacing * np.array(steps)).astype("float32").reshape(8, 1)
 
 
 def _sixteen_bit_model(K, dtype):
@@ -675,12 +675,12 @@ def _sixteen_bit_model(K, dtype):
     return model
 
 
-def _sixteen_bit_window(dtype, accumulate_in):
+def _sixteen_bit_window(dtype, accumulate_in, y=None):
     """The kernel after one window of the eight gradients -2 y, their mean
     taken in ``accumulate_in`` (running sum, as an accumulator adds them),
     then rounded to ``dtype`` and subtracted (SGD(1.0) from 0)."""
     numpy_dtype = tf.as_dtype(dtype).as_numpy_dtype
-    y = _y16(dtype)[:, 0]
+    y = (_y16(dtype) if y is None else y)[:, 0]
     grads = (-2.0 * y).astype(numpy_dtype)  # exact: checked below
     np.testing.assert_array_equal(grads.astype("float32"), -2.0 * y)
     total = np.zeros((), tf.as_dtype(accumulate_in).as_numpy_dtype)
@@ -771,3 +771,27 @@ def test_sixteen_bit_window_checkpointed_mid_window_keeps_its_float32_sums(K, gk
     np.testing.assert_array_equal(
         resumed.trainable_variables[0].numpy().astype("float32"),
         [[_sixteen_bit_window("bfloat16", "float32")]])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_sixteen_bit_window_under_mirrored_strategy_equals_one_device(K, gk, mirrored, dtype):
+    # Two replicas, one example each per step, windows of 4 steps: eight
+    # gradients -2 y, summed in float32 over the replicas too. Control: each
+    # replica's float32 share (-sum of its y / 4: Keras halves each replica's
+    # loss) rounded to 16 bits before the inner optimizer's sum over replicas
+    # would end elsewhere for these y (found by search; replica r gets y[r::2]).
+    y = _y16(dtype, steps=(16, 24, 30, 37, 38, 47, 58, 63))
+    expected = _sixteen_bit_window(dtype, "float32", y)
+    narrow = tf.as_dtype(dtype).as_numpy_dtype
+    shares = [narrow(-y[r::2, 0].sum() / 4) for r in range(2)]
+    assert -float(narrow(np.float32(shares[0]) + np.float32(shares[1]))) != expected
+    with mirrored.scope():
+        model = _sixteen_bit_model(K, dtype)
+        opt = gk.GradientAccumulator(K.optimizers.SGD(1.0), steps=4, model=model)
+        model.compile(optimizer=opt, loss="mse")
+    model.fit(np.ones((8, 1), "float32"), y, batch_size=2, epochs=1, shuffle=False,
+              verbose=0)
+    assert int(opt.iterations.numpy()) == 1
+    np.testing.assert_array_equal(
+        model.trainable_variables[0].numpy().astype("float32").ravel(), [expected])

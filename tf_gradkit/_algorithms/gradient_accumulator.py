@@ -503,9 +503,11 @@ class GradientAccumulator(Wrapper):
     def _apply_window(self, total_weight, has_grad):
         replicas = (1 if getattr(self, "_input_aggregated", False)
                     else tf.distribute.get_strategy().num_replicas_in_sync)
-        grads = accumulation.window_gradients(
-            accumulation.window_sums(self._state), self.reduction, total_weight, replicas,
-            dtypes=[v.dtype for v in self._built_variables()])
+        dtypes = [v.dtype for v in self._built_variables()]
+        sums = distributed_window.widened_sums_on_one_replica(
+            accumulation.window_sums(self._state), dtypes)
+        grads = accumulation.window_gradients(sums, self.reduction, total_weight, replicas,
+                                              dtypes=dtypes)
         pairs = [(g, v) for g, v, h in zip(grads, self._built_variables(), has_grad)
                  if h]
         # Each replica hands on its share: the inner optimizer's one sum over
