@@ -124,9 +124,10 @@ class GradientAccumulator(Wrapper):
         (default) float32 for 16-bit (float16, bfloat16) variables and the
         variable's own dtype otherwise; ``"float32"`` or ``"float64"`` (never
         narrower than the variable: a float64 variable keeps float64 sums).
-        A 16-bit sum would round at every micro-batch (a bfloat16 window
-        whose mean gradient is -32.875 would read -32). The window's gradient
-        is divided in that dtype, then handed on in the variable's. Under
+        A 16-bit sum would round at every micro-batch, where one big batch
+        rounds once. The window's gradient is divided in that dtype (under
+        MirroredStrategy summed over replicas in it too), then handed on in
+        the variable's. Under
         ``mixed_float16``/``mixed_bfloat16`` policies the variables are
         float32 already.
       name: optional name.
