@@ -97,10 +97,10 @@ def suggested_key(key, paths, taken=()):
     """A key for Keras 3.15's ``OptimizerMap`` that selects (``re.fullmatch``,
     as the map matches) exactly the ``paths`` in which ``key`` is found
     (``re.search``), or None when it is found in none. The first of these
-    that selects exactly those paths: their common layer path followed by
-    ``/.*``; its last layer under any path (``(.*/)?``: a model loaded from
-    a ``.keras`` file loses the model's name from its paths); the escaped
-    paths as alternatives. Paths in ``taken`` (another key's) are left out:
+    that selects exactly those paths: the last layer of their common layer
+    path under any path (``(.*/)?dense/.*``: it still matches after a model
+    loaded from a ``.keras`` file lost its name from the paths); that common
+    path followed by ``/.*``; the escaped paths as alternatives. Paths in ``taken`` (another key's) are left out:
     a path two keys match is refused by Keras."""
     targets = _searched(key, [p for p in paths if p not in set(taken)])
     if not targets:
@@ -113,8 +113,8 @@ def suggested_key(key, paths, taken=()):
         common.append(column[0])
     candidates = []
     if common:
-        candidates += [re.escape("/".join(common)) + "/.*",
-                       "(.*/)?" + re.escape(common[-1]) + "/.*"]
+        candidates += ["(.*/)?" + re.escape(common[-1]) + "/.*",
+                       re.escape("/".join(common)) + "/.*"]
     candidates.append("|".join(re.escape(p) for p in sorted(wanted)))
     for candidate in candidates:
         if {p for p in paths if re.fullmatch(candidate, p)} == wanted:
