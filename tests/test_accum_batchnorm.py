@@ -218,3 +218,30 @@ def test_bad_accumulation_steps_raise(bad):
 def test_renorm_is_rejected():
     with pytest.raises(ValueError, match=r"renorm.*Received: renorm=True"):
         AccumBatchNormalization(2, renorm=True)
+
+
+def test_a_bfloat16_layer_pools_its_window_in_float32(mode):
+    # Issue 38, item 12: a 16-bit layer (dtype="bfloat16", variables in
+    # bfloat16) keeps its window's counts and sums in float32 (a bfloat16
+    # count stops being exact at 256 elements). With momentum 0 the moving
+    # mean after a window is the window's mean in float32, rounded once to
+    # bfloat16; the control, the same window pooled with bfloat16 counts
+    # (300 + 300 + 301 elements per channel: 901 has no bfloat16 value),
+    # would differ.
+    import tensorflow as tf  # noqa: PLC0415
+
+    batches = [b.astype(tf.bfloat16.as_numpy_dtype).astype("float32")
+               for b in micro_batches((1,), sizes=(300, 300, 301))]
+    layer = built(AccumBatchNormalization(3, momentum=0.0, dtype="bfloat16"),
+                  batches[0])
+    assert all(str(getattr(v.dtype, "name", v.dtype)) in ("float32", "int64")
+               for v in layer._window)
+    step = compile_fn(lambda x: layer(x, training=True), mode)
+    for x in batches:
+        step(tf.constant(x, "bfloat16"))
+    assert float(np.float32(tf.bfloat16.as_numpy_dtype(901.0))) != 901.0  # control
+    got, expected = layer.moving_mean.numpy(), window_moments(batches)[0]
+    if got.dtype == np.float32:  # tf_keras keeps a 16-bit layer's statistics in float32
+        np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
+    else:  # one rounding of the float32 pooled mean (float32 round-off is far below it)
+        np.testing.assert_array_equal(got, expected.astype("float32").astype(got.dtype))

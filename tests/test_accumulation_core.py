@@ -232,13 +232,23 @@ def test_the_closing_test_sees_every_non_finite_value(mode, kind):
     assert not bool(finite())
 
 
-def test_half_precision_sums_are_checked_in_float32(mode):
-    # 64 values of 2000 add up past float16's 65504 but are finite sums.
+def test_half_precision_variables_are_summed_in_float32(mode):
+    # A float16 variable's sums are float32 (`sum_dtype`, issue 38 item 12):
+    # 2000 + 65000 (64992 in float16) adds up past float16's 65504 (control:
+    # inf there) to a finite, exact 66992, and the window reads finite.
     w = tf.Variable(tf.zeros([2, 64], tf.float16))
     state = _state([w])
+    assert state.acc_grads[0].dtype == tf.float32
     add = compile_fn(lambda g: A.accumulate(state, [g], 1.0), mode)
     finite = compile_fn(lambda: A.window_finite(state), mode)
     add(tf.fill([2, 64], tf.constant(2000.0, tf.float16)))
     assert bool(finite())
-    add(tf.fill([2, 64], tf.constant(65000.0, tf.float16)))   # sum 67000: inf
-    assert not bool(finite())
+    add(tf.fill([2, 64], tf.constant(65000.0, tf.float16)))
+    total = np.float32(np.float16(2000.0)) + np.float32(np.float16(65000.0))
+    with np.errstate(over="ignore"):
+        assert not np.isfinite(np.float16(2000.0) + np.float16(65000.0))
+    assert bool(finite())
+    np.testing.assert_array_equal(_sums(state)[0], np.full([2, 64], total, "float32"))
+    # Handed on in the variable's dtype: the gradient itself is what overflows.
+    (handed,) = A.window_gradients(A.window_sums(state), "sum", 1.0, dtypes=[w.dtype])
+    assert handed.dtype == tf.float16 and not np.isfinite(handed.numpy()).any()

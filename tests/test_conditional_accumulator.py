@@ -306,3 +306,38 @@ def test_several_calls_in_one_function_take_the_lock_in_turn(mode):
     assert bool(first) and bool(second) and bool(ready) and bool(third)
     np.testing.assert_array_equal(value.numpy(), [1.5, 3.0])
     assert _state(acc) == (1, 0, 1)
+
+
+@pytest.mark.parametrize("dtype", [tf.bfloat16, tf.float16])
+def test_sixteen_bit_gradients_are_summed_in_float32(mode, dtype):
+    # Issue 38, item 12: eight 16-bit gradients 32 + 2u(1 + i) (u the dtype's
+    # spacing at 16: representable) add up past 256, where a 16-bit running
+    # sum rounds (control) and a float32 one is exact; the MEAN comes back in
+    # the gradients' dtype, rounded once.
+    narrow = dtype.as_numpy_dtype
+    spacing = {tf.bfloat16: 2.0 ** -3, tf.float16: 2.0 ** -6}[dtype]
+    grads = (32.0 + 2 * spacing * np.arange(1, 9)).astype("float32")
+    assert np.array_equal(grads.astype(narrow).astype("float32"), grads)
+    expected = narrow(grads.sum() / 8)
+    running = narrow(0)
+    for g in grads:
+        running = narrow(np.float32(running) + g)
+    assert narrow(np.float32(running) / 8) != expected  # control
+    acc = ConditionalAccumulator(dtype, [1])
+    apply, take = _ops(acc, mode)
+    for g in grads:
+        assert apply(tf.constant([g], dtype))
+    value, ready = take(8)
+    assert ready and value.dtype == narrow
+    np.testing.assert_array_equal(value, [expected])
+
+
+def test_accumulator_dtype_is_checked_and_never_narrower():
+    assert ConditionalAccumulator(tf.float64, [1], accumulator_dtype="float32")._sum.dtype \
+        == tf.float64
+    assert ConditionalAccumulator(tf.float16, [1], accumulator_dtype="float64")._sum.dtype \
+        == tf.float64
+    with pytest.raises(ValueError, match=r"ConditionalAccumulator: `accumulator_dtype` must "
+                       r"be one of \(None, 'float32', 'float64'\).*Received: "
+                       r"accumulator_dtype='bfloat16'"):
+        ConditionalAccumulator(tf.float32, [1], accumulator_dtype="bfloat16")

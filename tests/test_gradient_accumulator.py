@@ -653,3 +653,145 @@ def test_import_sets_no_environment_and_imports_no_keras():
     out = subprocess.run([sys.executable, "-c", code], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+# Issue 38, item 12: 16-bit windows. One Dense(1) kernel, initially 0, without
+# bias, x = 1 and micro-batches of one example: each micro-batch's gradient of
+# the mean squared error is exactly -2 y, y = 16 + u (1 + i), u the dtype's
+# spacing at 16 (so y and -2 y are representable), and SGD(1.0) leaves the
+# kernel at minus the mean gradient rounded to the variable's dtype. The eight
+# gradients add up to about -257: a 16-bit running sum rounds there (spacing
+# 2 in bfloat16, 0.25 in float16) where a float32 sum is exact (every partial
+# sum needs fewer than 24 bits).
+def _y16(dtype, steps=tuple(range(1, 9))):
+    spacing = {"bfloat16": 2.0 ** -3, "float16": 2.0 ** -6}[dtype]
+    return (16.0 + spacing * np.array(steps)).astype("float32").reshape(8, 1)
+
+
+def _sixteen_bit_model(K, dtype):
+    model = K.Sequential([K.Input((1,)), K.layers.Dense(1, use_bias=False, dtype=dtype,
+                                                        kernel_initializer="zeros")])
+    assert model.trainable_variables[0].dtype == dtype  # 16-bit variables, not mixed
+    return model
+
+
+def _sixteen_bit_window(dtype, accumulate_in, y=None):
+    """The kernel after one window of the eight gradients -2 y, their mean
+    taken in ``accumulate_in`` (running sum, as an accumulator adds them),
+    then rounded to ``dtype`` and subtracted (SGD(1.0) from 0)."""
+    numpy_dtype = tf.as_dtype(dtype).as_numpy_dtype
+    y = (_y16(dtype) if y is None else y)[:, 0]
+    grads = (-2.0 * y).astype(numpy_dtype)  # exact: checked below
+    np.testing.assert_array_equal(grads.astype("float32"), -2.0 * y)
+    total = np.zeros((), tf.as_dtype(accumulate_in).as_numpy_dtype)
+    for g in grads:
+        total = (total + g.astype(total.dtype)).astype(total.dtype)
+    mean = (total / total.dtype.type(8)).astype(numpy_dtype)
+    return -(mean.astype("float32"))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("path", ["fit", "loop"])
+def test_sixteen_bit_windows_are_summed_in_float32(K, gk, dtype, path, mode):
+    expected = _sixteen_bit_window(dtype, "float32")
+    # Control: the same window summed in 16 bits ends elsewhere.
+    assert expected != _sixteen_bit_window(dtype, dtype)
+    model, y = _sixteen_bit_model(K, dtype), _y16(dtype)
+    x = np.ones((8, 1), "float32")
+    if path == "fit":
+        opt = gk.GradientAccumulator(K.optimizers.SGD(1.0), steps=8, model=model)
+        model.compile(optimizer=opt, loss="mse", run_eagerly=mode == "eager",
+                      jit_compile=mode == "jit")
+        model.fit(x, y, batch_size=1, epochs=1, shuffle=False, verbose=0)
+    else:
+        opt = gk.GradientAccumulator(K.optimizers.SGD(1.0), steps=8)
+        step = make_train_step(model, opt, mode)
+        for i in range(8):
+            step(tf.constant(x[i:i + 1], dtype), tf.constant(y[i:i + 1], dtype),
+                 sample_count=1)
+    assert int(opt.iterations.numpy()) == 1
+    assert all(s.dtype == tf.float32 for s in opt._state.acc_grads)
+    got = model.trainable_variables[0].numpy().astype("float32").ravel()
+    np.testing.assert_array_equal(got, [expected])
+
+
+def test_accumulator_dtype_float64_and_wide_variables(K, gk):
+    # "float64" sums a 16-bit window in float64 (same result here: the float32
+    # sum is exact); a float32 variable keeps float32 sums by default, and a
+    # float64 one is never summed in less than float64.
+    model = _sixteen_bit_model(K, "bfloat16")
+    opt = gk.GradientAccumulator(K.optimizers.SGD(1.0), steps=8,
+                                 accumulator_dtype="float64")
+    step = make_train_step(model, opt, "eager")
+    for i in range(8):
+        step(tf.ones((1, 1), "bfloat16"), tf.constant(_y16("bfloat16")[i:i + 1], "bfloat16"),
+             sample_count=1)
+    assert opt._state.acc_grads[0].dtype == tf.float64
+    np.testing.assert_array_equal(model.trainable_variables[0].numpy().astype("float32"),
+                                  [[_sixteen_bit_window("bfloat16", "float64")]])
+    from tf_gradkit.core.accumulation import sum_dtype  # noqa: PLC0415
+    assert sum_dtype("float32") == tf.float32 and sum_dtype("float64", "float32") == \
+        tf.float64 and sum_dtype("float16", "float64") == tf.float64
+
+
+@pytest.mark.parametrize("bad", ["bfloat16", "float16", "int32", 1, "fp32", tf.float16])
+def test_bad_accumulator_dtype_is_refused_by_name(K, gk, bad):
+    with pytest.raises(ValueError, match=r"`accumulator_dtype` must be one of \(None, "
+                       rf"'float32', 'float64'\).*Received: accumulator_dtype={re.escape(repr(bad))}"):
+        gk.GradientAccumulator(K.optimizers.SGD(0.1), 2, accumulator_dtype=bad)
+
+
+def test_sixteen_bit_window_checkpointed_mid_window_keeps_its_float32_sums(K, gk, tmp_path):
+    # Saved after 3 of 8 micro-batches and restored into a new optimizer, the
+    # float32 sums come back unrounded: the resumed window ends where the
+    # hand-made float32 window does (a bfloat16 sum of the same gradients ends
+    # elsewhere: the control of test_sixteen_bit_windows_are_summed_in_float32).
+    y = _y16("bfloat16")
+
+    def run(model, opt, calls):
+        step = make_train_step(model, opt, "eager")
+        for i in calls:
+            step(tf.ones((1, 1), "bfloat16"), tf.constant(y[i:i + 1], "bfloat16"),
+                 sample_count=1)
+
+    first = _sixteen_bit_model(K, "bfloat16")
+    first_opt = gk.GradientAccumulator(K.optimizers.SGD(1.0), steps=8)
+    run(first, first_opt, range(3))
+    path = tf.train.Checkpoint(model=first, optimizer=first_opt).save(str(tmp_path / "c"))
+    resumed = _sixteen_bit_model(K, "bfloat16")
+    resumed_opt = gk.GradientAccumulator(K.optimizers.SGD(1.0), steps=8)
+    resumed_opt.build(resumed.trainable_variables)
+    tf.train.Checkpoint(model=resumed, optimizer=resumed_opt).restore(
+        path).assert_existing_objects_matched()
+    restored = resumed_opt._state.acc_grads[0]
+    assert restored.dtype == tf.float32
+    np.testing.assert_array_equal(restored.numpy().ravel(), [-2.0 * y[:3].sum()])
+    run(resumed, resumed_opt, range(3, 8))
+    assert int(resumed_opt.iterations.numpy()) == 1
+    np.testing.assert_array_equal(
+        resumed.trainable_variables[0].numpy().astype("float32"),
+        [[_sixteen_bit_window("bfloat16", "float32")]])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_sixteen_bit_window_under_mirrored_strategy_equals_one_device(K, gk, mirrored, dtype):
+    # Two replicas, one example each per step, windows of 4 steps: eight
+    # gradients -2 y, summed in float32 over the replicas too. Control: each
+    # replica's float32 share (-sum of its y / 4: Keras halves each replica's
+    # loss) rounded to 16 bits before the inner optimizer's sum over replicas
+    # would end elsewhere for these y (found by search; replica r gets y[r::2]).
+    y = _y16(dtype, steps=(16, 24, 30, 37, 38, 47, 58, 63))
+    expected = _sixteen_bit_window(dtype, "float32", y)
+    narrow = tf.as_dtype(dtype).as_numpy_dtype
+    shares = [narrow(-y[r::2, 0].sum() / 4) for r in range(2)]
+    assert -float(narrow(np.float32(shares[0]) + np.float32(shares[1]))) != expected
+    with mirrored.scope():
+        model = _sixteen_bit_model(K, dtype)
+        opt = gk.GradientAccumulator(K.optimizers.SGD(1.0), steps=4, model=model)
+        model.compile(optimizer=opt, loss="mse")
+    model.fit(np.ones((8, 1), "float32"), y, batch_size=2, epochs=1, shuffle=False,
+              verbose=0)
+    assert int(opt.iterations.numpy()) == 1
+    np.testing.assert_array_equal(
+        model.trainable_variables[0].numpy().astype("float32").ravel(), [expected])

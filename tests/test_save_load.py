@@ -270,10 +270,15 @@ def test_every_constructor_argument_survives_get_config(K, gk):
 
     acc = gk.GradientAccumulator(K.optimizers.SGD(0.3, momentum=0.5), 5,
                                  reduction="sum", epoch_end="drop", nonfinite="raise",
-                                 name="acc")
+                                 accumulator_dtype="float64", name="acc")
     clone = type(acc).from_config(acc.get_config())
     assert clone.get_config() == acc.get_config()
     assert clone.inner_optimizer.get_config() == acc.inner_optimizer.get_config()
+    assert clone.accumulator_dtype == "float64"
+    # A config saved before `accumulator_dtype` existed loads with the default
+    # (None: float32 sums for 16-bit variables).
+    old = {k: v for k, v in acc.get_config().items() if k != "accumulator_dtype"}
+    assert type(acc).from_config(old).accumulator_dtype is None
 
     fw = gk.ConditionalGradient(0.3, lambda_={"kernel": 2.0, ".*": 1.0}, ord="k_sparse",
                                 k=3, power_iterations=4, epsilon=1e-6)

@@ -4,6 +4,8 @@ dispatches variable groups to (``optimizers``: Keras 3.15's
 dispatcher keeps privately (its map, its variables) is read through the host
 of its flavour (`tf_gradkit._hosts.host_of`)."""
 
+import re
+
 
 def _host_call(optimizer, hook, default):
     """``host.<hook>(optimizer)`` for the host serving ``optimizer``, or
@@ -49,7 +51,10 @@ def check_groups(root):
     optimizer a map names that was given no variable: Keras's
     ``OptimizerMap`` matches a key against the whole variable path
     (``re.fullmatch``), so ``"encoder/"`` matches nothing and that group's
-    variables go to the default optimizer, every micro-batch, in silence."""
+    variables go to the default optimizer, every micro-batch, in silence.
+    The message suggests a key computed from the variables' paths
+    (`suggested_key`), checked to match exactly the variables the key
+    names somewhere in their path."""
     for dispatcher in optimizer_chain(root):
         if not getattr(dispatcher, "built", False):
             continue
@@ -57,14 +62,75 @@ def check_groups(root):
         for key, sub in declared_groups(dispatcher):
             if key is None or any(sub is o for o in given):
                 continue  # a default without variables is not a mistake
+            paths = [getattr(v, "path", None) or v.name
+                     for v in _host_call(dispatcher, "built_variables", [])]
+            taken = [p for p in paths if any(
+                other is not None and other != key and _fullmatch(other, p)
+                for other, _ in declared_groups(dispatcher))]
             raise ValueError(
                 f"{type(dispatcher).__name__}: the key {key!r} of its OptimizerMap "
                 f"matched no variable, so its {type(sub).__name__} would never run "
                 "and those variables would go to the default optimizer. Keys are "
-                "matched against each variable's whole path (re.fullmatch): write "
-                f"{str(key).rstrip('/') + '/.*'!r} for every variable under "
-                f"{str(key).rstrip('/')!r}; the paths are "
-                f"{[getattr(v, 'path', v.name) for v in _host_call(dispatcher, 'built_variables', [])]}.")
+                "matched against each variable's whole path (re.fullmatch). "
+                + _key_advice(key, paths, taken))
+
+
+def _fullmatch(key, path):
+    """Whether Keras 3.15's ``OptimizerMap`` gives ``path`` to ``key``."""
+    try:
+        return key == path or re.fullmatch(key, path) is not None
+    except (re.error, TypeError):
+        return False
+
+
+def _searched(key, paths):
+    """The paths in which ``key`` is found (``re.search``; a key that is not
+    a valid pattern, as plain text)."""
+    try:
+        pattern = re.compile(key)
+    except (re.error, TypeError):
+        return [p for p in paths if str(key) in p]
+    return [p for p in paths if pattern.search(p)]
+
+
+def suggested_key(key, paths, taken=()):
+    """A key for Keras 3.15's ``OptimizerMap`` that selects (``re.fullmatch``,
+    as the map matches) exactly the ``paths`` in which ``key`` is found
+    (``re.search``), or None when it is found in none. The first of these
+    that selects exactly those paths: the last layer of their common layer
+    path under any path (``(.*/)?dense/.*``: it still matches after a model
+    loaded from a ``.keras`` file lost its name from the paths); that common
+    path followed by ``/.*``; the escaped paths as alternatives. Paths in ``taken`` (another key's) are left out:
+    a path two keys match is refused by Keras."""
+    targets = _searched(key, [p for p in paths if p not in set(taken)])
+    if not targets:
+        return None
+    wanted = set(targets)
+    common = []  # the layer path (all but the variable's name) they share
+    for column in zip(*[p.split("/")[:-1] for p in targets]):
+        if len(set(column)) != 1:
+            break
+        common.append(column[0])
+    candidates = []
+    if common:
+        candidates += ["(.*/)?" + re.escape(common[-1]) + "/.*",
+                       re.escape("/".join(common)) + "/.*"]
+    candidates.append("|".join(re.escape(p) for p in sorted(wanted)))
+    for candidate in candidates:
+        if {p for p in paths if re.fullmatch(candidate, p)} == wanted:
+            return candidate
+    return None  # not reached: the alternation selects exactly ``wanted``
+
+
+def _key_advice(key, paths, taken=()):
+    """What to write instead of ``key``, computed from the variables' paths."""
+    suggestion = suggested_key(key, paths, taken)
+    if suggestion is None:
+        return (f"{key!r} is found in no variable's path left to the default "
+                f"either; the paths are {paths}.")
+    found = _searched(key, [p for p in paths if p not in set(taken)])
+    return (f"Write {suggestion!r}: it matches exactly the variables whose path "
+            f"contains {key!r}, {found} (the paths are {paths}).")
 
 
 def _groups_unknown(optimizer):

@@ -22,8 +22,10 @@ NONFINITE_POLICIES = ("skip", "raise")
 _REPLICA_FUNCTIONS = weakref.WeakKeyDictionary()
 
 
-def validate_arguments(steps, reduction, epoch_end, nonfinite, sample_count=None):
-    """Raises a clear error for a bad constructor argument; changes nothing."""
+def validate_arguments(steps, reduction, epoch_end, nonfinite, sample_count=None,
+                       accumulator_dtype=None):
+    """Raises a clear error for a bad constructor argument; changes nothing.
+    Returns ``accumulator_dtype`` by name (or None)."""
     if sample_count is not None and not callable(sample_count):
         raise ValueError(
             "GradientAccumulator: `sample_count` must be None or a function "
@@ -51,6 +53,7 @@ def validate_arguments(steps, reduction, epoch_end, nonfinite, sample_count=None
         raise ValueError(
             f"GradientAccumulator: `nonfinite` must be one of "
             f"{NONFINITE_POLICIES}. Received: nonfinite={nonfinite!r}")
+    return accumulation.check_accumulator_dtype(accumulator_dtype, "GradientAccumulator")
 
 
 class GradientAccumulator(Wrapper):
@@ -117,6 +120,16 @@ class GradientAccumulator(Wrapper):
         compiled step, so under ``jit_compile=True`` that micro-batch is left
         out (nothing changes but ``dropped_gradients``; under ``fit`` a
         warning after the epoch says so).
+      accumulator_dtype: the dtype the window's sums are kept in: None
+        (default) float32 for 16-bit (float16, bfloat16) variables and the
+        variable's own dtype otherwise; ``"float32"`` or ``"float64"`` (never
+        narrower than the variable: a float64 variable keeps float64 sums).
+        A 16-bit sum would round at every micro-batch, where one big batch
+        rounds once. The window's gradient is divided in that dtype (under
+        MirroredStrategy summed over replicas in it too), then handed on in
+        the variable's. Under
+        ``mixed_float16``/``mixed_bfloat16`` policies the variables are
+        float32 already.
       name: optional name.
 
     ``apply_gradients(grads_and_vars, sample_count=None, local_step=None)``:
@@ -147,7 +160,7 @@ class GradientAccumulator(Wrapper):
     accumulates_gradients = True
     accumulation_argument = "steps"
     ACCEPTED = ("optimizer, steps, reduction, model, epoch_end, nonfinite, "
-                "sample_count, name")
+                "sample_count, accumulator_dtype, name")
     REFUSALS = {
         "same": "Use one GradientAccumulator whose `steps` is the product of both.",
         "residuals": "Give LevenbergMarquardt the whole batch instead (a larger "
@@ -162,14 +175,16 @@ class GradientAccumulator(Wrapper):
 
     def __init__(self, optimizer, steps, reduction="example", model=None,
                  epoch_end="apply", nonfinite="skip", sample_count=None, name=None,
-                 **kwargs):
-        validate_arguments(steps, reduction, epoch_end, nonfinite, sample_count)
+                 accumulator_dtype=None, **kwargs):
+        accumulator_dtype = validate_arguments(steps, reduction, epoch_end, nonfinite,
+                                               sample_count, accumulator_dtype)
         self._init_wrapper(optimizer, name, kwargs)
         self.steps = steps
         self.reduction = reduction
         self.epoch_end = epoch_end
         self.nonfinite = nonfinite
         self.sample_count = sample_count
+        self.accumulator_dtype = accumulator_dtype
         self._warned = False  # the unknown-denominator warning, said once
         self._binding = None
         self._awaiting_model = False
@@ -265,7 +280,8 @@ class GradientAccumulator(Wrapper):
             return self._new_variable((), dtype, name,
                                       sync="sum" if per_replica else "first")
 
-        self._state = accumulation.init_accumulation(var_list, make_variable, make_scalar)
+        self._state = accumulation.init_accumulation(var_list, make_variable, make_scalar,
+                                                     self.accumulator_dtype)
         self._micro_steps = make_scalar(tf.int64, "micro_steps", False)
         self._dropped = make_scalar(tf.int64, "dropped_gradients", False)
         self._skipped = make_scalar(tf.int64, "skipped_windows", False)
@@ -488,8 +504,11 @@ class GradientAccumulator(Wrapper):
     def _apply_window(self, total_weight, has_grad):
         replicas = (1 if getattr(self, "_input_aggregated", False)
                     else tf.distribute.get_strategy().num_replicas_in_sync)
-        grads = accumulation.window_gradients(accumulation.window_sums(self._state),
-                                              self.reduction, total_weight, replicas)
+        dtypes = [v.dtype for v in self._built_variables()]
+        sums = distributed_window.widened_sums_on_one_replica(
+            accumulation.window_sums(self._state), dtypes)
+        grads = accumulation.window_gradients(sums, self.reduction, total_weight, replicas,
+                                              dtypes=dtypes)
         pairs = [(g, v) for g, v, h in zip(grads, self._built_variables(), has_grad)
                  if h]
         # Each replica hands on its share: the inner optimizer's one sum over
@@ -621,6 +640,8 @@ class GradientAccumulator(Wrapper):
             "nonfinite": self.nonfinite,
             "sample_count": (None if self.sample_count is None
                              else self._saved_function(self.sample_count)),
+            # Configs saved before it existed load with the default (None).
+            "accumulator_dtype": self.accumulator_dtype,
             # The model cannot be saved with the optimizer: Keras's loader
             # binds it again (`bind_after_load`); made by hand from this
             # config it refuses to train under fit until `attach(model)`.

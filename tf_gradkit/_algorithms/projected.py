@@ -5,6 +5,7 @@ import re
 
 import tensorflow as tf
 
+from tf_gradkit import _model_hooks
 from tf_gradkit._algorithms.wrapper import Wrapper, no_gradients_error
 from tf_gradkit._optimizer_tree import optimizer_chain
 from tf_gradkit.core import sets
@@ -108,7 +109,9 @@ class Projected(Wrapper):
         callable ``tensor -> tensor`` that returns the projection. A pattern
         matching nothing, or a variable matched twice, is an error.
       model: optional; when given, ``constraints`` is checked against
-        ``model.trainable_variables`` at construction.
+        ``model.trainable_variables`` at construction, and the first ``fit``
+        refuses this optimizer under a ``MultiOptimizer`` key that matches
+        none of its variables or when another group holds a constrained one.
       sparse_rows: ``"auto"``, ``True`` (the inner update is known to touch
         only rows with a gradient) or ``False`` (always project whole
         variables).
@@ -161,6 +164,10 @@ class Projected(Wrapper):
             self._model_paths = {k: self._path(v) for v in model.trainable_variables
                                  for k in [self._variable_key(v)]
                                  if k in self._resolve(model.trainable_variables)}
+            # Bound, so the first fit checks where this optimizer sits: under
+            # a MultiOptimizer key that matches none of its variables Keras
+            # would never build or call it (`_optimizer_tree.check_groups`).
+            _model_hooks.ModelBinding.bind(model, self, self._CALLBACK)
 
     def _build_own(self, var_list):
         by_key = self._resolve(var_list)

@@ -35,6 +35,9 @@ exact for NaN and Inf; a sum that overflowed is caught, and so is a row of
 one sum whose values add up past its dtype's range (Adam's squared gradients
 would have overflowed long before). 16-bit sums are added up in float32.
 
+Sums are kept in float32 for 16-bit variables by default (`sum_dtype`): the
+gradient handed on at the window's close is cast back to the variable's dtype.
+
 Dense sums need no marks. A variable's first use fixes its *kind* (decided at
 trace time and kept on the state): ``"rows"`` when its first gradient is
 ``IndexedSlices`` or ``None`` (the marks stay exact whatever comes later,
@@ -60,6 +63,41 @@ from typing import Callable, List, NamedTuple, Optional
 import tensorflow as tf
 
 REDUCTIONS = ("example", "microbatch", "sum")
+ACCUMULATOR_DTYPES = (None, "float32", "float64")
+
+
+def check_accumulator_dtype(value, owner):
+    """``value`` as one of `ACCUMULATOR_DTYPES` (``tf.float32`` and
+    ``tf.float64`` are read by name); raises a ValueError naming ``owner``'s
+    argument, what was received and what is accepted otherwise. Strict:
+    ``tf.as_dtype`` would also read ``1`` or ``"fp32"`` as float32."""
+    if value is None:
+        return None
+    name = value.name if isinstance(value, tf.DType) else value
+    if not isinstance(name, str) or name not in ACCUMULATOR_DTYPES:
+        raise ValueError(
+            f"{owner}: `accumulator_dtype` must be one of {ACCUMULATOR_DTYPES} (None: "
+            "float32 for 16-bit variables, the variable's dtype otherwise). "
+            f"Received: accumulator_dtype={value!r}")
+    return name
+
+
+def sum_dtype(variable_dtype, accumulator_dtype=None):
+    """The dtype a variable's window sum is kept in.
+
+    A 16-bit sum rounds every add to 8 (bfloat16) or 11 (float16) bits, so a
+    window of ``k`` micro-batches loses up to ``log2(k)`` more bits than one
+    big batch: a bfloat16 sum of gradients whose mean is -32.875 reads -32.
+    Floating variables narrower than float32 are therefore summed in float32
+    by default (``accumulator_dtype=None``; optax ``MultiSteps`` does the
+    same); a requested dtype narrower than the variable's is widened to it
+    (a sum never holds less than the variable); anything else keeps its own.
+    """
+    dtype = tf.as_dtype(variable_dtype)
+    if not dtype.is_floating:
+        return dtype
+    wanted = tf.float32 if accumulator_dtype is None else tf.as_dtype(accumulator_dtype)
+    return wanted if wanted.size > dtype.size else dtype
 
 
 class AccumulationState(NamedTuple):
@@ -85,7 +123,8 @@ class AccumulationState(NamedTuple):
     kinds: List[Optional[str]]
 
 
-def init_accumulation(params, make_variable: Callable, make_scalar: Callable):
+def init_accumulation(params, make_variable: Callable, make_scalar: Callable,
+                      accumulator_dtype=None):
     """Creates the state for ``params`` (every sum reads as zero).
 
     Args:
@@ -95,6 +134,9 @@ def init_accumulation(params, make_variable: Callable, make_scalar: Callable):
         ``reference`` (the adapter decides placement and replica
         synchronisation; ``per_replica`` sums replicas on read).
       make_scalar: ``make_scalar(dtype, name, per_replica) -> variable``.
+      accumulator_dtype: None, "float32" or "float64": the sums' dtype
+        (`sum_dtype`; None: float32 for 16-bit variables, the variable's
+        dtype otherwise).
 
     Returns:
       An `AccumulationState`.
@@ -108,7 +150,9 @@ def init_accumulation(params, make_variable: Callable, make_scalar: Callable):
         micro_step=make_scalar(tf.int64, "micro_step", False),
         weight=make_scalar(tf.float32, "window_weight", True),
         window=make_scalar(tf.int64, "window", False),
-        acc_grads=[make_variable(p, "acc_grad") for p in params],
+        acc_grads=[make_variable(p, "acc_grad",
+                                 dtype=sum_dtype(p.dtype, accumulator_dtype))
+                   for p in params],
         # Sums and row marks start at zero with window 0: every row reads 0.
         row_windows=[make_variable(rows(p), "acc_rows", False, dtype=tf.int64)
                      for p in params],
@@ -255,7 +299,7 @@ def window_is_finite(sums):
     return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(s)) for s in sums]))
 
 
-def window_gradients(sums, reduction, total_weight, num_replicas=1):
+def window_gradients(sums, reduction, total_weight, num_replicas=1, dtypes=None):
     """The gradient of the whole window, as this replica should hand it on.
 
     Under ``tf.distribute`` each replica holds its own partial sums and the
@@ -270,17 +314,21 @@ def window_gradients(sums, reduction, total_weight, num_replicas=1):
       total_weight: the window's weight summed over replicas.
       num_replicas: replicas in sync (1 when the gradients were already
         summed over replicas before they were accumulated).
+      dtypes: optional, per sum the dtype to hand it on in (the variables'):
+        the division runs in the sum's dtype (`sum_dtype`), then one rounding.
 
     Returns:
       A list of dense gradients aligned with ``sums``.
     """
-    if reduction == "sum":
-        return list(sums)
     out = []
-    for s in sums:
-        scale = tf.cast(num_replicas, s.dtype) / tf.maximum(
-            tf.cast(total_weight, s.dtype), tf.constant(1e-30, s.dtype))
-        out.append(s * scale)
+    for index, s in enumerate(sums):
+        if reduction != "sum":
+            scale = tf.cast(num_replicas, s.dtype) / tf.maximum(
+                tf.cast(total_weight, s.dtype), tf.constant(1e-30, s.dtype))
+            s = s * scale
+        if dtypes is not None and tf.as_dtype(dtypes[index]) != s.dtype:
+            s = tf.cast(s, dtypes[index])
+        out.append(s)
     return out
 
 

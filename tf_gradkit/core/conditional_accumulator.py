@@ -29,6 +29,7 @@ import tensorflow as tf
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import control_flow_util as _cf_util
 
+from tf_gradkit.core import accumulation
 from tf_gradkit.core import distributed_window
 from tf_gradkit.core import exclusive
 
@@ -101,6 +102,11 @@ class ConditionalAccumulator(tf.Module):
         dense gradient holds every row, ``tf.IndexedSlices`` the rows they
         index; rows none held are zero). Needs a ``shape`` of rank >= 1.
       name: optional module name; defaults to ``"conditional_accumulator"``.
+      accumulator_dtype: the dtype of the sum: None (default) float32 for
+        16-bit ``dtype`` (each add to a bfloat16 sum would round; TF1 sums in
+        ``dtype``), ``dtype`` otherwise; ``"float32"`` or ``"float64"`` (never
+        narrower than ``dtype``). `take_grad` divides in it and returns
+        ``dtype``.
 
     Raises:
       TypeError: ``dtype`` is not a floating dtype.
@@ -108,9 +114,12 @@ class ConditionalAccumulator(tf.Module):
         ``REDUCTIONS``, or it is ``"MEAN_PER_ROW"`` for a scalar ``shape``.
     """
 
-    def __init__(self, dtype, shape, reduction="MEAN", name=None):
+    def __init__(self, dtype, shape, reduction="MEAN", name=None, accumulator_dtype=None):
         super().__init__(name=name or "conditional_accumulator")
         self._dtype = _check_dtype(dtype)
+        self._sum_dtype = accumulation.sum_dtype(
+            self._dtype,
+            accumulation.check_accumulator_dtype(accumulator_dtype, "ConditionalAccumulator"))
         self._shape = _check_shape(shape)
         if not isinstance(reduction, str) or reduction not in REDUCTIONS:
             raise ValueError(
@@ -123,7 +132,7 @@ class ConditionalAccumulator(tf.Module):
         self._reduction = reduction
         with self.name_scope:
             self._sum = tf.Variable(
-                tf.zeros(self._shape, self._dtype), trainable=False,
+                tf.zeros(self._shape, self._sum_dtype), trainable=False,
                 name="accumulated_grad")
             self._count = _counter("num_accumulated")
             self._dropped = _counter("num_dropped")
@@ -222,7 +231,8 @@ class ConditionalAccumulator(tf.Module):
             values, indices, valid = self._check_slices(grad)
 
             def add():
-                self._sum.scatter_add(tf.IndexedSlices(values, indices))
+                self._sum.scatter_add(tf.IndexedSlices(
+                    tf.cast(values, self._sum_dtype), indices))
                 if self._row_count is not None:
                     held = tf.scatter_nd(indices[:, None],
                                          tf.ones(tf.shape(indices), tf.float32),
@@ -236,7 +246,7 @@ class ConditionalAccumulator(tf.Module):
             valid = tf.constant(True)
 
             def add():
-                self._sum.assign_add(grad)
+                self._sum.assign_add(tf.cast(grad, self._sum_dtype))
                 if self._row_count is not None:
                     self._row_count.assign_add(tf.ones(self._shape[:1], tf.int64))
                 return self._count_one()
@@ -301,18 +311,18 @@ class ConditionalAccumulator(tf.Module):
         def take():
             value = self._sum.read_value()
             if self._reduction == "MEAN":
-                value = value / tf.cast(self._count, self._dtype)
+                value = value / tf.cast(self._count, self._sum_dtype)
             elif self._reduction == "MEAN_PER_ROW":
                 rows = tf.maximum(self._row_count, tf.constant(1, tf.int64))
-                rows = tf.reshape(tf.cast(rows, self._dtype),
+                rows = tf.reshape(tf.cast(rows, self._sum_dtype),
                                   [-1] + [1] * (self._shape.rank - 1))
                 value = value / rows
                 self._row_count.assign(tf.zeros(self._shape[:1], tf.int64))
             # Automatic control dependencies order these after the reads above.
-            self._sum.assign(tf.zeros(self._shape, self._dtype))
+            self._sum.assign(tf.zeros(self._shape, self._sum_dtype))
             self._count.assign(tf.constant(0, tf.int64))
             self._global_step.assign_add(tf.constant(1, tf.int64))
-            return value
+            return tf.cast(value, self._dtype)
 
         def wait():
             return tf.zeros(self._shape, self._dtype)

@@ -120,6 +120,30 @@ def micro_step(state, grads, *, weight, accept, steps, force=False,
     accumulation.start_next_window(state, ready)
 
 
+def widened_sums_on_one_replica(sums, dtypes):
+    """Each replica's window ``sums`` ready to be handed on, for sums kept in
+    a wider dtype than their variable's (``dtypes``; `accumulation.sum_dtype`).
+
+    The inner optimizer sums the replicas' gradients in the variable's
+    dtype: rounding each replica's float32 share to bfloat16 first would
+    round once per replica, not once per window. So such sums are summed
+    over replicas here, in their own dtype (one more all-reduce per window,
+    of those sums only), and the first replica hands on the total while the
+    others hand on zeros, which the inner optimizer's sum adds exactly.
+    Other sums, and a single replica, are returned as they are. Call in
+    replica context, where the window closes."""
+    context = tf.distribute.get_replica_context()
+    wide = [i for i, (s, d) in enumerate(zip(sums, dtypes)) if s.dtype != tf.as_dtype(d)]
+    if not wide or context is None or context.num_replicas_in_sync == 1:
+        return list(sums)
+    totals = context.all_reduce(tf.distribute.ReduceOp.SUM, [sums[i] for i in wide])
+    first = tf.equal(context.replica_id_in_sync_group, 0)
+    out = list(sums)
+    for i, total in zip(wide, totals):
+        out[i] = tf.where(first, total, tf.zeros_like(total))
+    return out
+
+
 def _apply_and_skip(total_weight, apply_window, skip_window, run):
     """The two ways a window closes, as branches of a ``switch_case``."""
     def apply():

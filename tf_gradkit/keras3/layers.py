@@ -5,6 +5,7 @@ from keras import ops
 
 from tf_gradkit._hosts import keras3 as _host
 from tf_gradkit.core import batch_stats
+from tf_gradkit.core.accumulation import sum_dtype
 
 __all__ = ["AccumBatchNormalization"]
 
@@ -99,9 +100,13 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         def make_variable(name, per_feature):
             # Same placement and replica handling as the moving statistics.
             if per_feature:
+                # Window sums and counts of a 16-bit layer (dtype="bfloat16")
+                # in float32, as tf_keras keeps them: a bfloat16 count stops
+                # at 256 and each add to a 16-bit sum rounds.
                 return self.add_weight(shape=shape, name=name,
                                        initializer="zeros", trainable=False,
-                                       autocast=False)
+                                       autocast=False,
+                                       dtype=sum_dtype(self.moving_mean.dtype).name)
             return self.add_weight(shape=(), name=name, initializer="zeros",
                                    dtype="int64", trainable=False)
 
