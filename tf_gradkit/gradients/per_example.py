@@ -13,8 +13,14 @@ memory is the activations plus ``B`` numbers per variable; its cost is
 about one backward pass. This is what DP-SGD needs to clip
 (docs/gradients.md, examples/dp_sgd.py).
 
-Trainable variables that no rule covers are refused (naming their layers),
-not silently computed another way: the caller chooses between
+A layer gets its kind's rule only where the rule is provably right for it
+(the kind's class or a subclass changing only its construction, inside
+Sequential/functional models only, with variables no other layer holds);
+other layers of those kinds get their per-example gradients exactly (a
+vectorised Jacobian of the per-example losses, ``B x`` their parameters),
+with a warning naming them, or are refused (``fallback="refuse"``).
+`per_example_norm_plan` says which, per layer. Trainable variables that no
+rule covers are refused (naming their layers): the caller chooses between
 `per_example_gradients` for such a model (memory ``B x P``) and freezing
 or replacing the layer.
 """
