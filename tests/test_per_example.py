@@ -93,11 +93,21 @@ def _models(K):
     shared = K.layers.Dense(3, activation="tanh")
     out["shared"] = (K.Model(inp, K.layers.Dense(1)(shared(shared(inp)))),
                      rng.normal(size=(4, 3)), rng.normal(size=(4, 1)), mse)
+    # An Embedding, a Conv1D and a LayerNormalization each called twice.
+    L = K.layers
+    ids = K.Input((5,), dtype="int32")
+    table, conv, norm = L.Embedding(6, 3), L.Conv1D(3, 2, padding="same",
+                                                    activation="tanh"), L.LayerNormalization()
+    other_ids = L.Lambda(lambda t: (t + 1) % 6)(ids)
+    h = L.Add()([table(ids), table(other_ids)])
+    h = norm(norm(conv(conv(h))))
+    out["shared_kinds"] = (K.Model(ids, L.Dense(2)(L.Flatten()(h))),
+                           rng.integers(0, 6, size=(5, 5)), rng.normal(size=(5, 2)), mse)
     return out
 
 
 CASES = ["dense", "dense_sequence", "conv2d", "conv1d", "embedding_layer_norm",
-         "layer_norm_axes", "batch_norm_inference", "frozen", "shared"]
+         "layer_norm_axes", "batch_norm_inference", "frozen", "shared", "shared_kinds"]
 
 
 @pytest.mark.parametrize("case", CASES)

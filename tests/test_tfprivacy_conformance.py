@@ -12,8 +12,8 @@ for this API, with a Python loop of single-example GradientTapes as the
 oracle instead of their own "true norms" helper. Everything is float64, so
 the norms must agree to 1e-9 (relative): the two sides sum the same
 products in another order, a round-off of ~1e-15 relative each. Each case
-runs eagerly and under XLA (tf.function without XLA is the same graph
-minus compilation); scenarios without an equivalent here are skipped with a
+runs eagerly and under XLA (tf.function without XLA, the same graph
+uncompiled, under `make test-slow`); scenarios without an equivalent here are skipped with a
 one-line reason.
 """
 
@@ -27,6 +27,9 @@ from tf_gradkit.gradients.per_example import per_example_norm_plan
 
 RTOL = 1e-9  # float64 (see the header)
 F64 = "float64"
+# tf.function without XLA runs under `make test-slow` only (the same graph as
+# "jit", uncompiled).
+MODES = ["eager", pytest.param("function", marks=pytest.mark.slow), "jit"]
 
 
 def _mse(y, p):
@@ -99,7 +102,7 @@ def _nd_batches():
 @pytest.mark.parametrize("model_name", ["func1", "func2", "tower2"])
 @pytest.mark.parametrize("layer_name", ["pure_dense", "sigmoid_dense"])
 @pytest.mark.parametrize("variant", ["plain", "custom_loss_partial_weighted"])
-@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("mode", MODES)
 def test_dense(K, model_name, layer_name, variant, mode):
     model = _dense_model(K, model_name, layer_name)
     loss_fn, weighted = _mse, False
@@ -156,7 +159,7 @@ def _bow_model(K, model_name, ids):
 
 @pytest.mark.parametrize("ids_kind", ["dense_2d", "ragged_2d", "dense_3d", "ragged_3d"])
 @pytest.mark.parametrize("model_name", ["bow1", "bow2", "weighted_bow1"])
-@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("mode", MODES)
 def test_embedding(K, ids_kind, model_name, mode):
     ids = _ids(ids_kind)
     if model_name == "weighted_bow1" and isinstance(ids, tf.RaggedTensor):
@@ -175,7 +178,7 @@ def test_embedding(K, ids_kind, model_name, mode):
             compile_fn(lambda t: per_example_gradient_norms(model, _mse, t, y),
                        mode)(ids)
         return
-    if isinstance(ids, tf.RaggedTensor) and mode == "jit":
+    if isinstance(ids, tf.RaggedTensor) and mode == "jit":  # the model alone
         try:
             tf.function(lambda t: model(t), jit_compile=True)(ids)
         except tf.errors.InvalidArgumentError:
@@ -206,7 +209,9 @@ LAYER_NORM_CASES = [
 LAYER_NORM_PARAMS = [pytest.param(d, a, "eager", id=f"{d}-{a}-eager")
                      for d, a in LAYER_NORM_CASES] + [
     pytest.param(d, a, "jit", id=f"{d}-{a}-jit") for d, a in LAYER_NORM_CASES
-    if a in (-1, [1, 2, 3]) or (len(d) == 2 and a == [1, 2])]
+    if a in (-1, [1, 2, 3]) or (len(d) == 2 and a == [1, 2])] + [
+    pytest.param(d, a, "function", id=f"{d}-{a}-function", marks=pytest.mark.slow)
+    for d, a in LAYER_NORM_CASES]
 
 
 @pytest.mark.parametrize("dims,axis,mode", LAYER_NORM_PARAMS)
@@ -253,7 +258,7 @@ def test_tf_models_layers(test_file):
 
 
 # ------------------------------------------------------------ clip_grads
-@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("mode", MODES)
 def test_clipped_sum_by_reweighted_backward_pass(K, mode):
     """clip_grads_test's `compute_clipped_gradients_and_outputs`: with the
     norms, one backward pass of the loss re-weighted by min(1, C / norm_i)

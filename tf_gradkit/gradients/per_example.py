@@ -189,7 +189,8 @@ def per_example_gradient_norms(model, loss_fn, x, y, sample_weight=None,
     for variable, jac in zip(plan.exact_variables, exact):
         by_id[id(variable)] = ghost_norms.sq_norms(tf.convert_to_tensor(jac))
     for name, variables in plan.exact_layers.items():
-        by_layer[name] = tf.sqrt(tf.add_n([by_id[id(v)] for v in variables]))
+        if variables:
+            by_layer[name] = tf.sqrt(tf.add_n([by_id[id(v)] for v in variables]))
     squared = list(by_id.values())
     norms = tf.sqrt(tf.add_n(squared)) if squared else tf.zeros_like(losses)
     extra = []

@@ -156,9 +156,7 @@ RULES = {
 
 def _graph_reason(model, kinds):
     """Why ``model``'s call may mix examples (None: it is its graph of layers)."""
-    graph = kinds.get("graph_models", ())
-    if not isinstance(model, graph) or not any(
-            type(model).call is base.call for base in graph):
+    if not _taps.is_graph_model(model, kinds):
         return (f"{model.name!r} is not a Sequential or functional model (its own "
                 "`call` may mix the examples)")
     layers = {id(layer) for layer in model.layers}
