@@ -99,10 +99,18 @@ def _nd_batches():
              tf.constant(rng.uniform(0.5, 2.0, size=n), F64)) for n in (1, 3)]
 
 
-@pytest.mark.parametrize("model_name", ["func1", "func2", "tower2"])
-@pytest.mark.parametrize("layer_name", ["pure_dense", "sigmoid_dense"])
-@pytest.mark.parametrize("variant", ["plain", "custom_loss_partial_weighted"])
-@pytest.mark.parametrize("mode", MODES)
+# Every case eagerly; compiled, the variant with every option (the plain
+# one compiles the same ops), to keep the file cheap.
+DENSE_PARAMS = [
+    pytest.param(m, layer, v, mode, id=f"{m}-{layer}-{v}-{mode}",
+                 marks=[pytest.mark.slow] if mode == "function" else [])
+    for m in ("func1", "func2", "tower2") for layer in ("pure_dense", "sigmoid_dense")
+    for v in ("plain", "custom_loss_partial_weighted")
+    for mode in ("eager", "function", "jit")
+    if mode == "eager" or v != "plain"]
+
+
+@pytest.mark.parametrize("model_name,layer_name,variant,mode", DENSE_PARAMS)
 def test_dense(K, model_name, layer_name, variant, mode):
     model = _dense_model(K, model_name, layer_name)
     loss_fn, weighted = _mse, False
@@ -157,9 +165,17 @@ def _bow_model(K, model_name, ids):
     return K.Model(inp, _sum_tokens(K)(L.Multiply()([emb, weight])))
 
 
-@pytest.mark.parametrize("ids_kind", ["dense_2d", "ragged_2d", "dense_3d", "ragged_3d"])
-@pytest.mark.parametrize("model_name", ["bow1", "bow2", "weighted_bow1"])
-@pytest.mark.parametrize("mode", MODES)
+# Every case eagerly; compiled, the 3-D dense and 2-D ragged ids (the 2-D
+# dense and 3-D ragged ones compile the same ops).
+EMBEDDING_PARAMS = [
+    pytest.param(k, m, mode, id=f"{k}-{m}-{mode}",
+                 marks=[pytest.mark.slow] if mode == "function" else [])
+    for k in ("dense_2d", "ragged_2d", "dense_3d", "ragged_3d")
+    for m in ("bow1", "bow2", "weighted_bow1") for mode in ("eager", "function", "jit")
+    if mode == "eager" or k in ("dense_3d", "ragged_2d")]
+
+
+@pytest.mark.parametrize("ids_kind,model_name,mode", EMBEDDING_PARAMS)
 def test_embedding(K, ids_kind, model_name, mode):
     ids = _ids(ids_kind)
     if model_name == "weighted_bow1" and isinstance(ids, tf.RaggedTensor):
