@@ -39,8 +39,10 @@ def layer_kinds(obj, owner="tf_gradkit"):
 
 
 def kind_of(layer, kinds=None):
-    """"dense", "conv", "embedding", "layer_norm", "batch_norm" or None;
-    ``kinds``: `layer_kinds` of its model (else of the layer's own flavour)."""
+    """"dense", "conv", "embedding", "layer_norm", "batch_norm" or None, by
+    ``isinstance`` (subclasses included); ``kinds``: `layer_kinds` of its
+    model (else of the layer's own flavour). A tap's rule needs more: see
+    `provable_kind`."""
     kinds = kinds or layer_kinds(layer)
     if isinstance(layer, kinds["excluded"]):
         return None
