@@ -336,6 +336,35 @@ def test_uncovered_models_fall_back_visibly(K):
     assert "residuals=" in custom.linearization_used
 
 
+def test_layers_not_provably_their_class_fall_back_visibly(K):
+    """A Dense subclass overriding `call` (the taps would record what its
+    `call` receives, not what the matmul sees), a weightless layer subclass
+    whose `call` mixes the examples linearise by automatic differentiation,
+    saying why; a subclass that only adds an `__init__` keeps the taps."""
+    L = K.layers
+
+    class ScaledDense(L.Dense):
+        def call(self, x):
+            return super().call(2.0 * x)
+
+    class Centred(L.Activation):
+        def call(self, x):  # mixes the examples
+            return x - tf.reduce_mean(x, 0)
+
+    class Named(L.Dense):
+        def __init__(self, units, **kwargs):
+            super().__init__(units, **kwargs)
+
+    scaled = K.Sequential([K.Input((3,)), ScaledDense(2, name="scaled"), L.Dense(1)])
+    centred = K.Sequential([K.Input((3,)), L.Dense(2), Centred("linear"), L.Dense(1)])
+    for model, said in ((scaled, "overrides ['call']"), (centred, "no rule")):
+        opt = _fit_once(K, model)
+        assert opt.linearization_used.startswith("autodiff"), opt.linearization_used
+        assert said in opt.linearization_used, opt.linearization_used
+    opt = _fit_once(K, K.Sequential([K.Input((3,)), Named(1)]))
+    assert not opt.linearization_used.startswith("autodiff"), opt.linearization_used
+
+
 def test_linearization_argument(gk):
     with pytest.raises(ValueError, match="linearization.*Received: linearization='x'"):
         gk.LevenbergMarquardt(linearization="x")

@@ -93,11 +93,21 @@ def _models(K):
     shared = K.layers.Dense(3, activation="tanh")
     out["shared"] = (K.Model(inp, K.layers.Dense(1)(shared(shared(inp)))),
                      rng.normal(size=(4, 3)), rng.normal(size=(4, 1)), mse)
+    # An Embedding, a Conv1D and a LayerNormalization each called twice.
+    L = K.layers
+    ids = K.Input((5,), dtype="int32")
+    table, conv, norm = L.Embedding(6, 3), L.Conv1D(3, 2, padding="same",
+                                                    activation="tanh"), L.LayerNormalization()
+    other_ids = L.Lambda(lambda t: (t + 1) % 6)(ids)
+    h = L.Add()([table(ids), table(other_ids)])
+    h = norm(norm(conv(conv(h))))
+    out["shared_kinds"] = (K.Model(ids, L.Dense(2)(L.Flatten()(h))),
+                           rng.integers(0, 6, size=(5, 5)), rng.normal(size=(5, 2)), mse)
     return out
 
 
 CASES = ["dense", "dense_sequence", "conv2d", "conv1d", "embedding_layer_norm",
-         "layer_norm_axes", "batch_norm_inference", "frozen", "shared"]
+         "layer_norm_axes", "batch_norm_inference", "frozen", "shared", "shared_kinds"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -181,3 +191,130 @@ def test_variables_a_rule_does_not_name_are_refused(K):
 def test_per_example_gradients_bad_input():
     with pytest.raises(ValueError, match=r"`variables` is empty"):
         per_example_gradients(lambda e: tf.reduce_sum(e), [], tf.ones([2, 2]))
+
+
+# ------------------------------------------- ghost rules only where provably right
+def _float64_loop_norms(model, x, y, loss_fn):
+    out = []
+    for i in range(int(y.shape[0])):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(loss_fn(y[i:i + 1], model(x[i:i + 1], training=False)))
+        grads = tape.gradient(loss, model.trainable_variables,
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        out.append(np.sqrt(sum(np.sum(np.square(tf.convert_to_tensor(g).numpy()))
+                               for g in grads)))
+    return np.array(out)
+
+
+def _unprovable_models(K):
+    """name -> (model, x, expected plan {layer: "ghost"/"exact"}): float64."""
+    L = K.layers
+    f64 = "float64"
+
+    class ScaledDense(L.Dense):  # issue 41: the tap saw x, the matmul 2x
+        def call(self, x):
+            return super().call(2.0 * x)
+
+    class Named(L.Dense):  # only __init__: still a Dense
+        def __init__(self, units, **kwargs):
+            super().__init__(units, **kwargs)
+
+    class SquaredKernelConv(L.Conv1D):  # what the kernel multiplies changes
+        def convolution_op(self, inputs, kernel):
+            return super().convolution_op(inputs, kernel * kernel)
+
+    class ShiftedNorm(L.LayerNormalization):
+        def call(self, x):
+            return super().call(x + 1.0)
+
+    class TiedOutput(L.Layer):  # logits from the embedding's own table
+        def __init__(self, embedding, **kwargs):
+            super().__init__(**kwargs)
+            self.embedding = embedding
+
+        def call(self, h):
+            return tf.matmul(h, self.embedding.embeddings, transpose_b=True)
+
+    class TwoLayers(K.Model):  # a call of its own (here harmless)
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = L.Dense(3, dtype=f64), L.Dense(2, dtype=f64)
+
+        def call(self, x):
+            return self.second(tf.tanh(self.first(x)))
+
+    rng = np.random.default_rng(5)
+    x = tf.constant(rng.normal(size=(4, 3)), f64)
+    out = {"scaled_dense": (K.Sequential([K.Input((3,), dtype=f64),
+                                          ScaledDense(4, activation="tanh", name="s", dtype=f64),
+                                          Named(2, name="n", dtype=f64)]),
+                            x, {"s": "exact", "n": "ghost"})}
+    out["conv_and_norm"] = (
+        K.Sequential([K.Input((5, 2), dtype=f64),
+                      SquaredKernelConv(3, 2, name="c", dtype=f64),
+                      ShiftedNorm(name="ln", dtype=f64), L.Flatten(),
+                      L.Dense(2, name="d", dtype=f64)]),
+        tf.constant(rng.normal(size=(4, 5, 2)), f64),
+        {"c": "exact", "ln": "exact", "d": "ghost"})
+    inp = K.Input((3,), dtype="int32")
+    embedding = L.Embedding(5, 2, name="e", dtype=f64)
+    pooled = L.Lambda(lambda t: tf.reduce_sum(t, 1), dtype=f64)(embedding(inp))
+    out["tied"] = (K.Model(inp, TiedOutput(embedding, name="t", dtype=f64)(
+        L.Dense(2, name="d", dtype=f64)(pooled))),
+        tf.constant(rng.integers(0, 5, size=(4, 3)), "int32"),
+        {"e": "exact", "d": "ghost"})
+    model = TwoLayers()
+    model(x)
+    out["subclassed_model"] = (model, x, {model.first.name: "exact",
+                                          model.second.name: "exact"})
+    return out
+
+
+@pytest.mark.parametrize("case", ["scaled_dense", "conv_and_norm", "tied",
+                                  "subclassed_model"])
+def test_layers_not_provably_their_kind_fall_back_exactly(K, case, mode):
+    """Issue 41: a ghost rule only where it is provably right; elsewhere the
+    exact per-example gradients, with a warning naming the layer (float64:
+    exact to round-off, 1e-9)."""
+    from tf_gradkit.gradients.per_example import per_example_norm_plan  # noqa: PLC0415
+    model, x, expected = _unprovable_models(K)[case]
+    plan = per_example_norm_plan(model, training=False)
+    assert {name: how.split(" ")[0] for name, how in plan.items()} == expected, plan
+    loss_fn = lambda y, p: tf.reduce_sum(tf.square(y - p), -1)  # noqa: E731
+    out_dim = int(model(x).shape[-1])
+    y = tf.constant(np.random.default_rng(6).normal(size=(4, out_dim)), "float64")
+    fn = compile_fn(lambda x, y: per_example_gradient_norms(
+        model, loss_fn, x, y, training=False, per_layer=True), mode)
+    with pytest.warns(UserWarning, match="exact per-example gradients"):
+        norms, by_layer = fn(x, y)
+    want = _float64_loop_norms(model, x, y, loss_fn)
+    np.testing.assert_allclose(norms.numpy(), want, rtol=1e-9)
+    assert {name for name, how in expected.items() if how == "exact"} <= set(by_layer)
+    # The control: refusing the fallback names the layers it would take.
+    exact = sorted(name for name, how in expected.items() if how == "exact")
+    with pytest.raises(ValueError, match=rf"{exact[0]}.*fallback='exact'"):
+        per_example_gradient_norms(model, loss_fn, x, y, training=False,
+                                   fallback="refuse")
+
+
+def test_wrapped_layers_are_refused_by_name(K):
+    L = K.layers
+
+    class Wrapper(L.Layer):  # a custom wrapper: its Dense is not tapped
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.inner = L.Dense(2)
+
+        def call(self, x):  # the Dense sees B x 4 rows, not B
+            rows = self.inner(tf.reshape(x, [-1, 3]))
+            return tf.reshape(rows, tf.concat([tf.shape(x)[:2], [2]], 0))
+
+    loss_fn = lambda y, p: tf.reduce_sum(tf.square(y - p), [-1, -2])  # noqa: E731
+    x, y = tf.ones([2, 4, 3]), tf.zeros([2, 4, 2])
+    for name, layer in (("td", L.TimeDistributed(L.Dense(2), name="td")),
+                        ("wrap", Wrapper(name="wrap"))):
+        model = K.Sequential([K.Input((4, 3)), layer])
+        with pytest.raises(ValueError, match=rf"\['{name}'\]"):
+            per_example_gradient_norms(model, loss_fn, x, y)
+    with pytest.raises(ValueError, match="`fallback` must be 'exact' or 'refuse'"):
+        per_example_gradient_norms(model, loss_fn, x, y, fallback="loop")

@@ -9,8 +9,23 @@ which layers exist is the host of the model's flavour (`_hosts.<flavour>.layer_k
 """
 
 import contextlib
+import inspect
 
 import tensorflow as tf
+
+KINDS = ("dense", "conv", "embedding", "layer_norm", "batch_norm")
+
+# What a subclass may define over a known layer class and still be that
+# class for a tap's rule: how it is built from arguments and saved, and the
+# class's bookkeeping. Anything else (``call``, ``convolution_op``, a
+# ``kernel`` property, ``build``...) may change what the rule assumes.
+_SAFE_OVERRIDES = frozenset((
+    "__init__", "get_config", "from_config", "__module__", "__doc__",
+    "__qualname__", "__dict__", "__weakref__", "__annotations__",
+    "__firstlineno__", "__static_attributes__", "__classcell__",
+    "__orig_bases__", "__parameters__", "_abc_impl", "__abstractmethods__"))
+# Methods Keras itself wraps on every instance (Keras 3's ``Layer.__new__``).
+_INSTANCE_WRAPPED = frozenset(("build", "quantize"))
 
 
 @tf.autograph.experimental.do_not_convert
@@ -24,15 +39,91 @@ def layer_kinds(obj, owner="tf_gradkit"):
 
 
 def kind_of(layer, kinds=None):
-    """"dense", "conv", "embedding", "layer_norm", "batch_norm" or None;
-    ``kinds``: `layer_kinds` of its model (else of the layer's own flavour)."""
+    """"dense", "conv", "embedding", "layer_norm", "batch_norm" or None, by
+    ``isinstance`` (subclasses included); ``kinds``: `layer_kinds` of its
+    model (else of the layer's own flavour). A tap's rule needs more: see
+    `provable_kind`."""
     kinds = kinds or layer_kinds(layer)
     if isinstance(layer, kinds["excluded"]):
         return None
-    for kind in ("dense", "conv", "embedding", "layer_norm", "batch_norm"):
+    for kind in KINDS:
         if isinstance(layer, kinds[kind]):
             return kind
     return None
+
+
+def why_not_exactly(layer, base):
+    """None when ``layer`` computes what ``base`` (a Keras layer class it is
+    an instance of) computes: it is a ``base``, or a subclass that changes
+    no method or property of ``base`` other than `_SAFE_OVERRIDES`, and no
+    method is replaced on the instance. Else why not, naming the layer.
+
+    A tap's rule is derived from ``base.call``: a subclass that overrides
+    ``call`` (``super().call(2 * x)``) feeds the matmul something else than
+    what the tap records, so its rule would be silently wrong."""
+    for cls in type(layer).__mro__:
+        if cls is base:
+            break
+        changed = sorted(name for name in vars(cls) if name not in _SAFE_OVERRIDES
+                         and hasattr(base, name))
+        if changed:
+            return (f"layer {layer.name!r} ({type(layer).__name__}) subclasses "
+                    f"{base.__name__} and overrides {changed}, so the "
+                    f"{base.__name__} rule is not provably right for it")
+    replaced = sorted(name for name in vars(layer) if name not in _INSTANCE_WRAPPED
+                      and _is_method(inspect.getattr_static(base, name, None)))
+    if replaced:
+        return (f"layer {layer.name!r} has {replaced} replaced on the instance, so "
+                f"the {base.__name__} rule is not provably right for it")
+    return None
+
+
+def _is_method(obj):
+    return inspect.isfunction(obj) or isinstance(obj, (staticmethod, classmethod, property))
+
+
+def provable_kind(layer, kinds=None):
+    """``(kind, None)`` when a kind's rule is provably right for ``layer``;
+    ``(None, why)`` when ``layer`` is an instance of a kind's class but not
+    provably that class (`why_not_exactly`); ``(None, None)`` otherwise."""
+    kinds = kinds or layer_kinds(layer)
+    if isinstance(layer, kinds["excluded"]):
+        return None, None
+    for kind in KINDS:
+        for base in kinds[kind]:
+            if isinstance(layer, base):
+                why = why_not_exactly(layer, base)
+                return (None, why) if why else (kind, None)
+    return None, None
+
+
+def provably_per_example(layer, kinds):
+    """Whether ``layer`` is, provably, one of the flavour's weightless layers
+    whose output for an example depends on that example alone."""
+    for base in kinds.get("per_example", ()):
+        if isinstance(layer, base):
+            return why_not_exactly(layer, base) is None
+    return False
+
+
+def is_graph_model(model, kinds):
+    """Whether ``model`` is a Sequential or functional model whose ``call``
+    is its graph of layers (not a subclass with a ``call`` of its own)."""
+    graph = kinds.get("graph_models", ())
+    return isinstance(model, graph) and any(type(model).call is base.call
+                                            for base in graph)
+
+
+def shared_variables(layers):
+    """ids of the variables that more than one of ``layers`` (innermost
+    layers: those without sub-layers) holds: tied weights, used by each."""
+    seen, shared = set(), set()
+    for layer in layers:
+        if getattr(layer, "layers", None) is not None:
+            continue
+        for v in {id(w): w for w in layer.weights}.values():
+            (shared if id(v) in seen else seen).add(id(v))
+    return shared
 
 
 def flat_layers(model):

@@ -22,7 +22,7 @@ optimization on large model at small cost" (book-keeping), 2023.
 
 import tensorflow as tf
 
-__all__ = ["matmul_sq_norms", "bias_sq_norms", "embedding_sq_norms",
+__all__ = ["matmul_sq_norms", "bias_sq_norms", "embedding_sq_norms", "grouped_sq_norms",
            "conv_patches", "scale_shift_grads", "sq_norms", "working_dtype"]
 
 
@@ -71,6 +71,30 @@ def embedding_sq_norms(ids, g):
     g = _rows(tf.cast(g, working_dtype(g.dtype)))
     same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), g.dtype)
     return tf.reduce_sum(same * tf.einsum("btp,bsp->bts", g, g), [1, 2])
+
+
+def grouped_sq_norms(example, ids, g, num_examples, num_ids):
+    """An embedding table's per-example squared norms from flat rows: row
+    ``t`` of ``g [N, p]`` belongs to example ``example[t]`` and adds to
+    table row ``ids[t]``. Rows are grouped by ``(example, id)`` (a sort, no
+    ``N x N`` Gram, no padding: ragged ids), each group's gradient summed
+    and squared, and the squares summed per example:
+    ``||G_i||^2 = sum_k ||sum_{t: example_t = i, ids_t = k} g_t||^2``.
+    Every shape is static given ``N``, so it compiles under XLA."""
+    g = tf.cast(g, working_dtype(g.dtype))
+    example = tf.cast(example, tf.int64)
+    keys = example * tf.cast(num_ids, tf.int64) + tf.cast(ids, tf.int64)
+    order = tf.argsort(keys, stable=True)
+    keys, example = tf.gather(keys, order), tf.gather(example, order)
+    starts = tf.concat([tf.ones([1], tf.bool), keys[1:] != keys[:-1]], 0)
+    group = tf.cumsum(tf.cast(starts, tf.int32)) - 1
+    rows = tf.shape(keys)[0]
+    sums = tf.math.unsorted_segment_sum(tf.gather(g, order), group, rows)
+    # Each group's example; groups past the last are empty (zero sums).
+    owner = tf.math.unsorted_segment_max(example, group, rows)
+    owner = tf.clip_by_value(owner, 0, tf.cast(num_examples, tf.int64) - 1)
+    return tf.math.unsorted_segment_sum(tf.reduce_sum(tf.square(sums), 1),
+                                        owner, num_examples)
 
 
 def conv_patches(inputs, kernel_size, strides, padding, dilation_rate):

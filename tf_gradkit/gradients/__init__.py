@@ -8,6 +8,7 @@ from tf_gradkit.gradients.cost import BackwardCost, backward_cost
 from tf_gradkit.gradients.jacobians import gradient_of, jacobian, layer_jacobian
 from tf_gradkit.gradients.per_example import per_example_gradient_norms
 from tf_gradkit.gradients.per_example import per_example_gradients
+from tf_gradkit.gradients.per_example import per_example_norm_plan
 
 __all__ = [
     "BackwardCost",
@@ -17,6 +18,7 @@ __all__ = [
     "layer_jacobian",
     "per_example_gradient_norms",
     "per_example_gradients",
+    "per_example_norm_plan",
     "recompute_batch_norm_statistics",
     "weighted_average",
 ]

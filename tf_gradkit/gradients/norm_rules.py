@@ -34,6 +34,8 @@ class NormRule(NamedTuple):
     supports: Callable
     tap: str
     sq_norms: Callable
+    # Takes ragged inputs (the tap then records the output's flat values).
+    ragged: bool = False
 
 
 def _kernel_and_bias(layer):
@@ -114,12 +116,38 @@ def _conv_sq_norms(layer, calls):
     return _matmul_layer(layer, tf.concat(patches, 1), tf.concat(outs, 1))
 
 
+def _flat_embedding_call(record, gz):
+    """``(example [N], ids [N], g [N, p])`` of one call: ragged ids (their
+    output's flat values were tapped) or dense ones, one entry per id."""
+    ids = record["input"]
+    gz = tf.convert_to_tensor(gz)
+    if isinstance(ids, tf.RaggedTensor):
+        example = ids.nested_value_rowids()[-1]
+        for rowids in reversed(ids.nested_value_rowids()[:-1]):
+            example = tf.gather(rowids, example)
+        values = ids.flat_values
+        batch = ids.nrows()
+    else:
+        values = tf.convert_to_tensor(ids)
+        batch = tf.shape(values, out_type=tf.int64)[0]
+        example = tf.range(batch)
+        values = tf.reshape(values, [batch, -1])
+    per_row = tf.size(values, out_type=tf.int64) // tf.maximum(
+        tf.cast(tf.shape(example)[0], tf.int64), 1)
+    example = tf.repeat(example, per_row)
+    return (example, tf.reshape(values, [-1]),
+            tf.reshape(gz, [-1, tf.shape(gz)[-1]]), batch)
+
+
 def _embedding_sq_norms(layer, calls):
-    del layer
-    ids = tf.concat([tf.reshape(r["input"], [tf.shape(r["input"])[0], -1])
-                     for r, _ in calls], 1)
-    g = tf.concat([_rows(gz) for _, gz in calls], 1)
-    return [ghost_norms.embedding_sq_norms(ids, g)]
+    if not any(isinstance(r["input"], tf.RaggedTensor) for r, _ in calls):
+        ids = tf.concat([tf.reshape(r["input"], [tf.shape(r["input"])[0], -1])
+                         for r, _ in calls], 1)
+        g = tf.concat([_rows(gz) for _, gz in calls], 1)
+        return [ghost_norms.embedding_sq_norms(ids, g)]
+    flat = [_flat_embedding_call(r, gz) for r, gz in calls]
+    example, ids, g = (tf.concat([f[i] for f in flat], 0) for i in range(3))
+    return [ghost_norms.grouped_sq_norms(example, ids, g, flat[0][3], layer.input_dim)]
 
 
 def _axes(layer):
@@ -172,7 +200,7 @@ RULES = {
     "conv": NormRule(_kernel_and_bias, _conv_supports, "pre_activation",
                      _conv_sq_norms),
     "embedding": NormRule(lambda layer: [layer.embeddings], _always, "output",
-                          _embedding_sq_norms),
+                          _embedding_sq_norms, ragged=True),
     "layer_norm": NormRule(_scale_shift, _layer_norm_supports, "output",
                            lambda layer, calls: _scale_shift_sq_norms(
                                layer, calls, _layer_normalized)),

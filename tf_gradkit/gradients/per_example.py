@@ -13,20 +13,30 @@ memory is the activations plus ``B`` numbers per variable; its cost is
 about one backward pass. This is what DP-SGD needs to clip
 (docs/gradients.md, examples/dp_sgd.py).
 
-Trainable variables that no rule covers are refused (naming their layers),
-not silently computed another way: the caller chooses between
+A layer gets its kind's rule only where the rule is provably right for it
+(the kind's class or a subclass changing only its construction, inside
+Sequential/functional models only, with variables no other layer holds);
+other layers of those kinds get their per-example gradients exactly (a
+vectorised Jacobian of the per-example losses, ``B x`` their parameters),
+with a warning naming them, or are refused (``fallback="refuse"``).
+`per_example_norm_plan` says which, per layer. Trainable variables that no
+rule covers are refused (naming their layers): the caller chooses between
 `per_example_gradients` for such a model (memory ``B x P``) and freezing
 or replacing the layer.
 """
 
 import contextlib
+import warnings
+from typing import NamedTuple
 
 import tensorflow as tf
 
 from tf_gradkit import _layer_taps as _taps
+from tf_gradkit.core import ghost_norms
 from tf_gradkit.gradients.norm_rules import RULES
 
-__all__ = ["per_example_gradients", "per_example_gradient_norms"]
+__all__ = ["per_example_gradients", "per_example_gradient_norms",
+           "per_example_norm_plan"]
 
 
 def per_example_gradients(loss_fn, variables, batch):
@@ -78,19 +88,32 @@ def per_example_gradients(loss_fn, variables, batch):
 
 def per_example_gradient_norms(model, loss_fn, x, y, sample_weight=None,
                                training=True, per_layer=False,
-                               per_variable=False):
+                               per_variable=False, fallback="exact"):
     """``||dL_i/dtheta||`` for each example, without per-example gradients.
 
     Valid only when the examples of the batch do not interact in the
     forward pass: then example ``i``'s rows of each layer's output gradient,
     taken from the *sum* of the per-example losses, are ``dL_i/dz_i``.
 
+    A layer gets its kind's ghost rule only where the rule is provably
+    right for it (`per_example_norm_plan` says which rule each layer gets):
+    it is the kind's Keras class, or a subclass changing nothing but
+    ``__init__``/``get_config`` (a subclass overriding ``call`` feeds the
+    matmul something else than the tap records); every model it sits in is a
+    Sequential or functional model (a ``call`` of a model's own could reorder
+    or merge the examples' rows); and no other layer holds its variables
+    (tied weights: the rule would miss the other use). Other layers of
+    those kinds get their per-example gradients exactly (``fallback="exact"``,
+    a vectorised Jacobian of the per-example losses, memory ``B x`` their
+    parameters, with a warning naming them) or are refused
+    (``fallback="refuse"``).
+
     Args:
       model: a Keras model (either flavour) whose trainable layers are
-        Dense, Conv1D, Conv2D (channels last, ``groups=1``), Embedding,
-        LayerNormalization or BatchNormalization (only with
-        ``training=False``), possibly nested or shared. Other trainable
-        layers are refused (use `per_example_gradients`).
+        Dense, Conv1D, Conv2D (channels last, ``groups=1``), Embedding
+        (dense or ragged ids), LayerNormalization or BatchNormalization
+        (only with ``training=False``), possibly nested or shared. Other
+        trainable layers are refused (use `per_example_gradients`).
       loss_fn: ``loss_fn(y, y_pred) -> [B]`` (or ``[B, ...]``, summed per
         example): per-example losses, e.g. a Keras loss built with
         ``reduction="none"``.
@@ -100,6 +123,8 @@ def per_example_gradient_norms(model, loss_fn, x, y, sample_weight=None,
       per_layer: also return ``{layer name: [B] norms}``.
       per_variable: also return a list of ``[B]`` norms, one per variable of
         ``model.trainable_variables``, in that order.
+      fallback: ``"exact"`` (default) or ``"refuse"``: what happens to a
+        layer of a covered kind whose ghost rule is not provably right.
 
     Returns:
       ``[B]`` norms over all trainable variables of the model; with
@@ -108,7 +133,11 @@ def per_example_gradient_norms(model, loss_fn, x, y, sample_weight=None,
 
     Raises:
       ValueError: trainable variables that no rule covers (naming their
-        layers and why), e.g. a BatchNormalization with ``training=True``.
+        layers and why), e.g. a BatchNormalization with ``training=True``;
+        a ragged or sparse input to a layer other than an Embedding.
+
+    Warns:
+      UserWarning: naming the layers computed by the exact fallback.
 
     Example:
 
@@ -119,10 +148,16 @@ def per_example_gradient_norms(model, loss_fn, x, y, sample_weight=None,
     >>> per_example_gradient_norms(model, loss, tf.ones([4, 3]), tf.zeros([4, 2])).shape
     TensorShape([4])
     """
-    plan = _plan(model, training)
-    records = {id(layer): [] for layer, _ in plan}
-    with _Taps(plan, records):
-        with tf.GradientTape() as tape:
+    plan = _plan(model, training, fallback)
+    if plan.exact:
+        warnings.warn(
+            "per_example_gradient_norms: exact per-example gradients (memory B x "
+            "their parameters) instead of a ghost rule for " + "; ".join(
+                f"{name!r}: {why}" for name, why in plan.exact.items()),
+            stacklevel=2)
+    records = {id(layer): [] for layer, _ in plan.ghost}
+    with _Taps(plan.ghost, records):
+        with tf.GradientTape(persistent=bool(plan.exact_variables)) as tape:
             y_pred = model(x, training=training)
             losses = tf.convert_to_tensor(loss_fn(y, y_pred))
             if losses.shape.rank and losses.shape.rank > 1:
@@ -130,14 +165,18 @@ def per_example_gradient_norms(model, loss_fn, x, y, sample_weight=None,
             if sample_weight is not None:
                 losses = losses * tf.cast(tf.reshape(sample_weight, [-1]), losses.dtype)
             total = tf.reduce_sum(losses)
-        outputs = [r["output"] for layer, _ in plan for r in records[id(layer)]]
-        grads = tape.gradient(total, outputs,
-                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        outputs = [r["output"] for layer, _ in plan.ghost for r in records[id(layer)]]
+        zero = tf.UnconnectedGradients.ZERO
+        grads = tape.gradient(total, outputs, unconnected_gradients=zero)
+        exact = []
+        if plan.exact_variables:
+            exact = tape.jacobian(losses, plan.exact_variables,
+                                  unconnected_gradients=zero, experimental_use_pfor=True)
     grads = iter(grads)
     trainable = {id(v) for v in model.trainable_variables}
     by_id, by_layer = {}, {}
-    for layer, rule in plan:
-        calls = [(r, next(grads)) for r in records[id(layer)]]
+    for layer, rule in plan.ghost:
+        calls = [(r, tf.convert_to_tensor(next(grads))) for r in records[id(layer)]]
         if not calls:  # not called in this forward pass: zero gradients
             continue
         layer_sq = []
@@ -147,9 +186,13 @@ def per_example_gradient_norms(model, loss_fn, x, y, sample_weight=None,
                 layer_sq.append(sq)
         if layer_sq:
             by_layer[layer.name] = tf.sqrt(tf.add_n(layer_sq))
-    batch = tf.shape(tf.nest.flatten(x)[0])[0]
+    for variable, jac in zip(plan.exact_variables, exact):
+        by_id[id(variable)] = ghost_norms.sq_norms(tf.convert_to_tensor(jac))
+    for name, variables in plan.exact_layers.items():
+        if variables:
+            by_layer[name] = tf.sqrt(tf.add_n([by_id[id(v)] for v in variables]))
     squared = list(by_id.values())
-    norms = tf.sqrt(tf.add_n(squared)) if squared else tf.zeros([batch])
+    norms = tf.sqrt(tf.add_n(squared)) if squared else tf.zeros_like(losses)
     extra = []
     if per_layer:
         extra.append(by_layer)
@@ -159,13 +202,54 @@ def per_example_gradient_norms(model, loss_fn, x, y, sample_weight=None,
     return (norms, *extra) if extra else norms
 
 
-def _plan(model, training):
-    """``[(layer, rule)]`` for the layers whose taps and rules give every
+def per_example_norm_plan(model, training=True, fallback="exact"):
+    """How `per_example_gradient_norms` treats each trainable layer of
+    ``model``: ``{layer name: "ghost rule"}`` or ``{layer name: "exact
+    fallback: <why>"}``; raises the same ValueError as the norms for a
+    model they refuse.
+
+    Example:
+
+    >>> import tensorflow as tf
+    >>> K = tf.keras
+    >>> class Scaled(K.layers.Dense):
+    ...     def call(self, x):
+    ...         return super().call(2.0 * x)
+    >>> model = K.Sequential([K.Input((3,)), K.layers.Dense(2, name="d"),
+    ...                       Scaled(1, name="s")])
+    >>> plan = per_example_norm_plan(model)
+    >>> plan["d"], plan["s"].split(":")[0]
+    ('ghost rule', 'exact fallback')
+    """
+    plan = _plan(model, training, fallback)
+    out = {layer.name: "ghost rule" for layer, _ in plan.ghost}
+    out.update({name: f"exact fallback: {why}" for name, why in plan.exact.items()})
+    return out
+
+
+class _Plan(NamedTuple):
+    ghost: list            # [(layer, rule)]: layers computed by their ghost rule
+    exact: dict            # layer name -> why it is computed exactly
+    exact_layers: dict     # layer name -> its trainable variables
+    exact_variables: list  # those variables, once each
+
+
+def _plan(model, training, fallback):
+    """The `_Plan` whose ghost rules and exact fallbacks give every
     trainable variable's norms; refuses (naming the layers) if some are left."""
+    if fallback not in ("exact", "refuse"):
+        raise ValueError("per_example_gradient_norms: `fallback` must be 'exact' "
+                         f"or 'refuse'. Received: fallback={fallback!r}")
     kinds = _taps.layer_kinds(model, "per_example_gradient_norms")
-    plan, covered, refused = [], set(), {}
-    for layer in _taps.flat_layers(model):
-        if not layer.trainable or not layer.trainable_weights:
+    layers = _taps.flat_layers(model)
+    outside = _outside_a_graph(model, kinds)
+    tied = _taps.shared_variables(layers)
+    trainable = {id(v) for v in model.trainable_variables}
+    plan = _Plan([], {}, {}, [])
+    covered, refused = set(), {}
+    for layer in layers:
+        if (not layer.trainable or not layer.trainable_weights
+                or getattr(layer, "layers", None) is not None):
             continue
         rule = RULES.get(_taps.kind_of(layer, kinds))
         if rule is None:
@@ -174,8 +258,25 @@ def _plan(model, training):
         if why_not:
             refused[layer.name] = why_not
             continue
-        plan.append((layer, rule))
-        covered.update(id(v) for v in rule.variables(layer))
+        why = _taps.provable_kind(layer, kinds)[1] or outside.get(id(layer))
+        shared = [v for v in layer.trainable_weights if id(v) in tied]
+        if why is None and shared:
+            why = (f"its variable(s) {[_path(v) for v in shared]} are held by another "
+                   "layer too (tied weights), whose use its rule would not see")
+        if why is None:
+            plan.ghost.append((layer, rule))
+            covered.update(id(v) for v in rule.variables(layer))
+        elif fallback == "refuse":
+            refused[layer.name] = (f"{why}; fallback='exact' computes its per-example "
+                                   "gradients exactly (memory B x its parameters)")
+        else:
+            mine = [v for v in layer.trainable_weights if id(v) in trainable]
+            plan.exact[layer.name] = why
+            plan.exact_layers[layer.name] = mine
+            for v in mine:
+                if id(v) not in covered:
+                    plan.exact_variables.append(v)
+            covered.update(id(v) for v in mine)
     missing = [v for v in model.trainable_variables if id(v) not in covered]
     if missing:
         owners = sorted({_owner(model, v) for v in missing})
@@ -188,7 +289,34 @@ def _plan(model, training):
             "LayerNormalization and BatchNormalization with training=False; for "
             "other layers use per_example_gradients (vectorised, memory B x "
             "parameters), or freeze them (layer.trainable = False).")
+    # A variable a ghost rule covers must not also be computed exactly.
+    assert not {id(v) for v in plan.exact_variables} & {
+        id(v) for layer, rule in plan.ghost for v in rule.variables(layer)}
     return plan
+
+
+def _outside_a_graph(model, kinds):
+    """id(layer) -> why, for the layers inside a model with a ``call`` of its
+    own (the top model included): such a call may reorder or merge the
+    examples' rows before the layer, which a tap's rule assumes it does not."""
+    out, todo, seen = {}, [(model, None)], set()
+    while todo:
+        container, why = todo.pop()
+        if not _taps.is_graph_model(container, kinds):
+            why = why or (f"it is called by {container.name!r} "
+                          f"({type(container).__name__}), whose own `call` may "
+                          "reorder or merge the examples' rows")
+        for layer in getattr(container, "layers", None) or []:
+            if why is not None:
+                out.setdefault(id(layer), why)
+            if getattr(layer, "layers", None) is not None and (id(layer), why) not in seen:
+                seen.add((id(layer), why))
+                todo.append((layer, why))
+    return out
+
+
+def _path(variable):
+    return getattr(variable, "path", None) or getattr(variable, "name", "?")
 
 
 def _owner(model, variable):
@@ -197,11 +325,14 @@ def _owner(model, variable):
         if not getattr(layer, "layers", None) and any(
                 w is variable for w in layer.trainable_weights):
             return layer.name
-    return getattr(variable, "path", getattr(variable, "name", "?"))
+    return _path(variable)
 
 
 class _Taps:
-    """Installs the taps each rule asks for (and removes them)."""
+    """Installs the taps each rule asks for (and removes them). A ragged
+    input is taken only by a rule that says ``ragged`` (Embedding's), which
+    gets the output's flat values to differentiate; any other composite
+    input (ragged, sparse) is refused, naming the layer."""
 
     def __init__(self, plan, records):
         self.plan, self.records, self._stack = plan, records, None
@@ -210,8 +341,10 @@ class _Taps:
         self._stack = contextlib.ExitStack()
         for layer, rule in self.plan:
             log = self.records[id(layer)]
+            ragged = getattr(rule, "ragged", False)
             if rule.tap == "pre_activation":
-                def on_call(inputs, outputs, log=log):
+                def on_call(inputs, outputs, log=log, layer=layer):
+                    _check_dense_input(layer, inputs, False)
                     log[-1]["input"] = inputs
                     return outputs
 
@@ -222,8 +355,14 @@ class _Taps:
                 # The pre-activation tap runs inside call, before on_call.
                 self._stack.enter_context(_taps.tapped(layer, on_call, on_pre))
             else:
-                def on_call(inputs, outputs, log=log):
-                    log.append({"input": inputs, "output": outputs})
+                def on_call(inputs, outputs, log=log, layer=layer, ragged=ragged):
+                    _check_dense_input(layer, inputs, ragged)
+                    tapped = outputs
+                    if isinstance(inputs, tf.RaggedTensor):
+                        if not isinstance(outputs, tf.RaggedTensor):
+                            _check_dense_input(layer, inputs, False)
+                        tapped = outputs.flat_values
+                    log.append({"input": inputs, "output": tapped})
                     return outputs
 
                 self._stack.enter_context(_taps.tapped(layer, on_call))
@@ -231,3 +370,14 @@ class _Taps:
 
     def __exit__(self, *exc):
         return self._stack.__exit__(*exc)
+
+
+def _check_dense_input(layer, inputs, ragged_ok):
+    if isinstance(inputs, tf.RaggedTensor) and ragged_ok:
+        return
+    if isinstance(inputs, (tf.RaggedTensor, tf.SparseTensor)):
+        raise ValueError(
+            f"per_example_gradient_norms: layer {layer.name!r} received a "
+            f"{type(inputs).__name__} input; its norm rule takes dense tensors "
+            "(ragged ones only for an Embedding's ids). Densify the input (e.g. "
+            "`.to_tensor()`, with a mask) or use per_example_gradients.")

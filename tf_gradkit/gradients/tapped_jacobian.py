@@ -156,9 +156,7 @@ RULES = {
 
 def _graph_reason(model, kinds):
     """Why ``model``'s call may mix examples (None: it is its graph of layers)."""
-    graph = kinds.get("graph_models", ())
-    if not isinstance(model, graph) or not any(
-            type(model).call is base.call for base in graph):
+    if not _taps.is_graph_model(model, kinds):
         return (f"{model.name!r} is not a Sequential or functional model (its own "
                 "`call` may mix the examples)")
     layers = {id(layer) for layer in model.layers}
@@ -179,13 +177,24 @@ def plan(model, variables, training=True):
         return None, why
     solved = {id(v) for v in variables}
     steps, covered = [], set()
-    for layer in _taps.flat_layers(model):
+    layers = _taps.flat_layers(model)
+    tied = _taps.shared_variables(layers)
+    for layer in layers:
         if getattr(layer, "layers", None) is not None:  # a nested model
             why = _graph_reason(layer, kinds)
             if why:
                 return None, why
             continue
-        kind = _taps.kind_of(layer, kinds)
+        # A rule only where it is provably right: a subclass overriding
+        # `call` (or a weight another layer also uses) falls back.
+        kind, why = _taps.provable_kind(layer, kinds)
+        if why:
+            return None, why
+        shared = [v for v in layer.weights if id(v) in tied]
+        if shared:
+            return None, (f"layer {layer.name!r} shares the variable "
+                          f"{getattr(shared[0], 'path', shared[0].name)!r} with another "
+                          "layer (tied weights), whose use its rule would not see")
         rule = RULES.get(kind)
         # A layer that is not trainable runs at inference (BatchNormalization
         # uses its moving statistics then, in both flavours).
@@ -199,7 +208,7 @@ def plan(model, variables, training=True):
                 steps.append((layer, rule))
                 covered.update(id(v) for v in rule.variables(layer))
             continue
-        if isinstance(layer, kinds.get("per_example", ())) and not layer.weights:
+        if _taps.provably_per_example(layer, kinds) and not layer.weights:
             continue
         return None, (f"layer {layer.name!r} ({type(layer).__name__}) has no rule "
                       "saying that its examples stay apart")
