@@ -29,7 +29,12 @@ NON_FINITE_START = int(_NON_FINITE)
 INFEASIBLE_START = len(REASONS)
 BATCHED_REASONS = REASONS + (
     "infeasible start (the start lies outside `bounds`; as scipy's infeasible "
-    "`x0`)",)
+    "`x0`)",
+    "no data (every point of this fit is masked; nothing to fit)",)
+# A problem whose every residual is masked: refused by its own status.
+NO_DATA = INFEASIBLE_START + 1
+# Fits that never ran: no covariance (NaN), not moved.
+NOT_RUN = (NON_FINITE_START, INFEASIBLE_START, NO_DATA)
 
 
 class BatchedOptions(NamedTuple):
@@ -104,6 +109,7 @@ def solve(residual_fn, x0, options, counts, box=None, full_output=False):
     if box is not None:
         start = tf.where(finite & box.infeasible(x0),
                          tf.constant(INFEASIBLE_START, tf.int64), start)
+    start = tf.where(counts > 0, start, tf.constant(NO_DATA, tf.int64))
 
     def run(scaling, controller, start_code):
         return _run(residual_fn, cost_fn, robust, held, box, x0, start_code,
@@ -117,7 +123,7 @@ def solve(residual_fn, x0, options, counts, box=None, full_output=False):
         # `least_squares`'s restart: the next phase only where this one ended
         # unconverged, from x0 again; the lower cost of the two is kept.
         again = (out.status >= 4) & (out.status != NON_FINITE_START) & (
-            out.status != INFEASIBLE_START)
+            out.status != INFEASIBLE_START) & (out.status != NO_DATA)
         second = run(*phase, tf.where(again, tf.constant(0, tf.int64), out.status))
         better = again & ((second.cost < out.cost) | ~tf.math.is_finite(out.cost))
         kept = _Run(*[tf.where(better[:, None] if a.shape.rank == 2 else better, a, b)

@@ -48,7 +48,7 @@ class Bounds:
         lower, upper = (cls._side(side, name, var_list, sizes)
                         for side, name in zip(bounds, ("lower", "upper")))
         if np.isnan(lower).any() or np.isnan(upper).any() or not (lower < upper).all():
-            bad = int(np.argmax(~(lower < upper)))
+            bad = int(np.argmax(np.isnan(lower) | np.isnan(upper) | (lower >= upper)))
             raise ValueError(
                 "least_squares: every lower bound must be below its upper bound "
                 f"(as in scipy). Received: lower[{bad}]={lower[bad]}, "

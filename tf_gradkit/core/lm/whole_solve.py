@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gradkit.core.lm import bounds as bounds_lib
+from tf_gradkit.core.lm import fit_report
 from tf_gradkit.core.lm import geodesic as geodesic_lib
 from tf_gradkit.core.lm import linearize as lin_lib
 from tf_gradkit.core.lm import linear_solvers as solvers_lib
@@ -388,19 +389,11 @@ def solve(problem, tolerances, box, phases, with_covariance):
 
 def covariance(jac, cost_value):
     """``curve_fit``'s ``pcov`` from the Jacobian and the cost at the
-    solution (one thin SVD of ``jac``, P x P)."""
-    dtype = jac.dtype
-    n = tf.cast(tf.shape(jac)[0], dtype)
-    p = tf.shape(jac)[1]
+    solution (one thin SVD of ``jac``, P x P); all ``inf`` when ``jac`` is
+    rank-deficient or N <= P (`fit_report.covariance_from_svd`)."""
     s, _, v = tf.linalg.svd(jac, full_matrices=False)
-    eps = tf.experimental.numpy.finfo(dtype.as_numpy_dtype).eps
-    kept = s > eps * tf.maximum(n, tf.cast(p, dtype)) * s[0]
-    inverse = tf.where(kept, 1.0 / tf.where(kept, s, tf.ones_like(s)) ** 2,
-                       tf.zeros_like(s))
-    pcov = tf.matmul(v * inverse[None, :], v, transpose_b=True)
-    dof = n - tf.cast(p, dtype)
-    return tf.where(dof > 0, pcov * (2.0 * cost_value / tf.where(dof > 0, dof, 1.0)),
-                    tf.fill([p, p], tf.constant(float("inf"), dtype)))
+    return fit_report.covariance_from_svd(
+        s, v, tf.cast(tf.shape(jac)[0], jac.dtype), cost_value)
 
 
 def stationarity(lin, largest):
