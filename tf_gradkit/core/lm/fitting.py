@@ -166,7 +166,7 @@ def curve_fit(f, xdata, ydata, p0, sigma=None, bounds=(-np.inf, np.inf),
       ydata: ``[B, N]``, or ``[N]`` for one fit (then ``p0`` is ``[P]`` and
         the result has no batch axis).
       p0: ``[B, P]`` starts (``[P]`` for one fit).
-      sigma: None, ``[N]`` (all fits) or ``[B, N]``: each point's standard
+      sigma: None, a scalar, ``[N]`` (all fits) or ``[B, N]``: each point's standard
         deviation (1-D ``sigma`` of scipy's ``curve_fit``; a full covariance
         matrix is not accepted). ``inf`` drops a point like ``mask``.
       bounds, loss, f_scale: as scipy's ``curve_fit``/``least_squares``;
@@ -208,7 +208,8 @@ def curve_fit(f, xdata, ydata, p0, sigma=None, bounds=(-np.inf, np.inf),
             raise ValueError("curve_fit: with one data set (`ydata` [N]) `p0` must be "
                              f"[P]. Received: p0 of shape {np.shape(p0)}")
         ydata, p0 = np.asarray(ydata)[None], np.asarray(p0)[None]
-        sigma = None if sigma is None else np.asarray(sigma)[None]
+        sigma = (sigma if sigma is None or np.ndim(sigma) == 0
+                 else np.asarray(sigma)[None])
         mask = None if mask is None else np.asarray(mask)[None]
         if xdata_per_fit:
             xdata = tf.nest.map_structure(lambda a: np.asarray(a)[None], xdata)
@@ -233,6 +234,8 @@ def curve_fit(f, xdata, ydata, p0, sigma=None, bounds=(-np.inf, np.inf),
         sigma = tf.ones([batch, n], dtype)
     else:
         s = np.shape(sigma)
+        if s == ():  # one sigma for every point (as scipy)
+            sigma, s = np.full([n], sigma, np.float64), (n,)
         if s not in ((n,), (batch, n)):
             raise ValueError(
                 f"curve_fit: `sigma` must be [N] or [B, N] ([{n}] or [{batch}, "
