@@ -16,6 +16,8 @@ except in ``test_consistency``, which is Gpufit's CPU-vs-GPU check ported as
 graph-vs-XLA.
 """
 
+import warnings
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -135,7 +137,8 @@ def test_gauss_fit_2d(weights):
     check(res, truth, max_iterations=10)
 
 
-@pytest.mark.parametrize("weights", [False, True])
+@pytest.mark.parametrize("weights", [
+    False, pytest.param(True, marks=pytest.mark.slow)])  # 2500 points each
 def test_gauss_fit_2d_large_dataset(weights):
     truth = [4, 24.5, 24.5, 5, 1]
     xy = grid(50)
@@ -235,11 +238,14 @@ CONSISTENCY = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CONSISTENCY))
+@pytest.mark.parametrize("name", [
+    "gauss_fit_1d",
+    # Each XLA compile costs seconds: the other two cases run in the slow set.
+    pytest.param("gauss_fit_2d", marks=pytest.mark.slow),
+    pytest.param("linear_fit_1d", marks=pytest.mark.slow)])
 def test_consistency(name):
     model, x, truth, start, limit = CONSISTENCY[name]
     y = data(model, x, truth)
-    import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # linear_fit_1d: N == P, no covariance
         graph = fit(model, x, y, start, max_iterations=limit)

@@ -218,6 +218,10 @@ def _run(residual_fn, cost_fn, robust, held, box, x0, start_code, start_cost,
     along = cosine_now * r_norm
     far = ((code >= 2) & (code <= 3) & ~stationary & (along > sqrt_eps)
            & (final.cost > eps * start_cost))
+    if box is not None:  # on a bound the model is blind to (`Bounds.blind`)
+        far = far | ((code >= 1) & (code <= 3) & (final.cost > eps * start_cost)
+                     & box.blind(x, parts.column_norms(final),
+                                 tf.maximum(largest, now), eps))
     code = tf.where(far, tf.constant(6, tf.int64), code)
     return _Run(x=x, iterations=it, status=code, damping=damping, cost=final.cost,
                 stationarity=cosine)

@@ -114,6 +114,18 @@ class Bounds:
         return tf.where((gradient > 0) & tf.math.is_finite(self.lower),
                         x - self.lower, v)
 
+    def blind(self, x, now, largest, eps):
+        """``[...]`` bool: some parameter sits on a bound where the residuals
+        no longer depend on it (its Jacobian column, ``now``, has vanished
+        to ``sqrt(eps)`` of its ``largest`` norm over the run). Its gradient
+        is then 0, so the point passes every first-order test, yet the
+        Gauss-Newton model is blind there: a step that landed on the bound
+        (scipy's gh-7117 hyperbola, ``c = 0`` in ``sqrt(u + c^2 / 4)``) can
+        end the fit far above the minimum that the interior reaches."""
+        on_bound = (x <= self.lower) | (x >= self.upper)
+        vanished = (largest > 0) & (now <= tf.sqrt(tf.constant(eps, x.dtype)) * largest)
+        return tf.reduce_any(on_bound & vanished, axis=-1)
+
     def active_mask(self, x):
         """scipy's ``active_mask``: -1 on the lower bound, 1 on the upper, 0
         inside (int32)."""

@@ -264,11 +264,6 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
     it, code, damping, cost, optimality, cosine, x, fun, jac, grad, mask, cov = out
     if cov is not None:
         cov = fit_report.without_covariance(cov, tf.equal(code, NON_FINITE_START))
-    if tf.executing_eagerly() and fun.shape.num_elements() == 0:
-        raise ValueError(
-            "least_squares: `residual_fn` returned no residuals (shape "
-            f"{fun.shape.as_list()}): there is nothing to fit (scipy refuses "
-            "this too). Return at least one residual.")
     if tf.executing_eagerly() and int(code) == StopReason.NON_FINITE_START:
         raise ValueError(
             "least_squares: the residuals of `residual_fn` are not finite at the "

@@ -60,8 +60,11 @@ DESCRIPTIONS = {
     StopReason.ITERATION_LIMIT: "iteration limit",
     StopReason.NO_ACCEPTABLE_STEP: "no acceptable step (damping exhausted)",
     StopReason.STALLED: (
-        "stalled far from a minimum (steps stopped while the gradient is not "
-        "small: try another start or rescale the parameters)"),
+        "stalled: xtol or ftol stopped the fit at a point not shown to be a "
+        "minimum (the gradient is not small next to the residuals, or a "
+        "parameter sits on a bound where the residuals ignore it): tighten "
+        "ftol/xtol to go on; if the cost stays high, try another start or "
+        "rescale the parameters"),
     StopReason.NON_FINITE_START: (
         "non-finite start (the parameters or the residuals at the start are "
         "inf or NaN)"),
@@ -154,6 +157,11 @@ def cost(problem):
     """The cost at the variables' values: ``0.5 sum r^2``, or the robust
     loss's."""
     r = tf.cast(tf.reshape(problem.residual_fn(), [-1]), problem.dtype)
+    if r.shape.num_elements() == 0:  # known at trace time
+        raise ValueError(
+            "least_squares: `residual_fn` returned no residuals (shape "
+            f"{r.shape.as_list()}): there is nothing to fit (scipy refuses this "
+            "too). Return at least one residual.")
     if problem.robust.is_linear:
         return 0.5 * tf.reduce_sum(tf.square(r))
     return problem.robust.cost(r)
@@ -320,6 +328,12 @@ def final_code(problem, box, code, final, largest, start_cost):
            & (code <= _code(StopReason.COST_TOLERANCE)) & ~stationary
            & (along > tf.sqrt(tf.constant(eps, dtype)))
            & (final.cost > eps * start_cost))
+    if box is not None:  # on a bound the model is blind to: not verified
+        x = lin_lib.flatten(problem.variables, dtype)
+        far = far | ((code >= _code(StopReason.GRADIENT_TOLERANCE))
+                     & (code <= _code(StopReason.COST_TOLERANCE))
+                     & box.blind(x, column_norms(final), tf.maximum(largest, now), eps)
+                     & (final.cost > eps * start_cost))
     return tf.where(far, _code(StopReason.STALLED), code), cosine
 
 
