@@ -12,8 +12,8 @@ its absolute thresholds (1e-6 on parameters of order 1-10) are meaningful.
 Where Gpufit's feature is absent the test is skipped naming it: the MLE
 (Poisson) estimator and ``parameters_to_fit`` are issue 39. Models are
 module-level functions run as plain ``tf.function``s (``jit_compile=False``)
-except in ``test_consistency``, which is Gpufit's CPU-vs-GPU check ported as
-graph-vs-XLA.
+except in ``test_consistency`` (slow), Gpufit's CPU-vs-GPU check ported as
+graph-vs-XLA; ``test_consistency_in_a_batch`` checks a fit alone and in a batch.
 """
 
 import warnings
@@ -238,11 +238,8 @@ CONSISTENCY = {
 }
 
 
-@pytest.mark.parametrize("name", [
-    "gauss_fit_1d",
-    # Each XLA compile costs seconds: the other two cases run in the slow set.
-    pytest.param("gauss_fit_2d", marks=pytest.mark.slow),
-    pytest.param("linear_fit_1d", marks=pytest.mark.slow)])
+@pytest.mark.slow  # each XLA compile costs seconds (test_consistency_in_a_batch is fast)
+@pytest.mark.parametrize("name", sorted(CONSISTENCY))
 def test_consistency(name):
     model, x, truth, start, limit = CONSISTENCY[name]
     y = data(model, x, truth)
@@ -255,6 +252,20 @@ def test_consistency(name):
     # Same iteration in another compiler: round-off of a converged fit.
     np.testing.assert_allclose(xla.x.numpy(), graph.x.numpy(), rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(xla.cost.numpy(), graph.cost.numpy(), atol=1e-20)
+
+
+def test_consistency_in_a_batch():
+    # Cpufit's and Gpufit's fits are independent per fit; here one fit alone
+    # and the same fit as a row of a batch (beside another start) agree.
+    model, x, truth, start, limit = CONSISTENCY["gauss_fit_1d"]
+    y = data(model, x, truth)
+    alone = fit(model, x, y, start, max_iterations=limit)
+    pair = fit(model, x, np.stack([y, y]), [start, [3., 2.2, .6, .5]],
+               max_iterations=limit)
+    assert int(alone.status) == int(pair.status[0])
+    assert int(alone.iterations) == int(pair.iterations[0])
+    np.testing.assert_allclose(pair.x.numpy()[0], alone.x.numpy(), rtol=1e-12,
+                               atol=1e-14)
 
 
 @pytest.mark.skip(reason=ISSUE_39_FIXED)
