@@ -115,16 +115,23 @@ class Bounds:
                         x - self.lower, v)
 
     def blind(self, x, now, largest, eps):
-        """``[...]`` bool: some parameter sits on a bound where the residuals
+        """``[..., P]`` bool: the parameters that sit on a bound where the residuals
         no longer depend on it (its Jacobian column, ``now``, has vanished
         to ``sqrt(eps)`` of its ``largest`` norm over the run). Its gradient
         is then 0, so the point passes every first-order test, yet the
         Gauss-Newton model is blind there: a step that landed on the bound
         (scipy's gh-7117 hyperbola, ``c = 0`` in ``sqrt(u + c^2 / 4)``) can
-        end the fit far above the minimum that the interior reaches."""
+        end the fit far above the minimum that the interior reaches; the
+        solve then continues from inside the box (`whole_solve.off_bounds`)."""
         on_bound = (x <= self.lower) | (x >= self.upper)
         vanished = (largest > 0) & (now <= tf.sqrt(tf.constant(eps, x.dtype)) * largest)
-        return tf.reduce_any(on_bound & vanished, axis=-1)
+        return on_bound & vanished
+
+    def inside(self, x, x0, which):
+        """``x`` with the parameters in ``which`` moved halfway from their
+        bound back to ``x0`` (where a blind bound stopped the fit)."""
+        bound = tf.where(x <= self.lower, self.lower, self.upper)
+        return tf.where(which, bound + 0.5 * (x0 - bound), x)
 
     def active_mask(self, x):
         """scipy's ``active_mask``: -1 on the lower bound, 1 on the upper, 0
