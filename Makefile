@@ -74,7 +74,7 @@ KERAS_FREE_BESIDE_TF_KERAS := tests/test_nist.py tests/test_lm_trust_region.py \
 	tests/test_scipy_least_squares.py tests/test_least_squares_scipy.py \
 	tests/test_implicit_least_squares.py tests/test_lm_solve_cache.py \
 	tests/test_batched_least_squares.py tests/test_spd.py tests/test_projections.py \
-	tests/test_precision.py
+	tests/test_precision.py tests/test_scipy_curve_fit.py tests/test_gpufit_conformance.py
 
 # Each side runs its files in two processes, one after the other: a process's
 # heap grows with every model and traced function its tests leave behind (7 GB

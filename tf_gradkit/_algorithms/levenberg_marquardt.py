@@ -517,7 +517,9 @@ class LevenbergMarquardt(FitStep, Supports):
 
         before = tf.cond(gain > 0, cost_before_last_step, lambda: cost_now)
         carried = (before - cost_now) / size
-        fired = (gain > 0) & ~(carried >= GUARD_CARRIED * gain)
+        # NaN fires (is_nan, not ~(a >= b): Grappler rewrites that to a < b).
+        fired = (gain > 0) & (tf.math.is_nan(carried)
+                              | (carried < GUARD_CARRIED * gain))
         control = tf.nest.map_structure(
             lambda r, c: tf.where(fired, r, c), self.controller.restrain(control),
             control)

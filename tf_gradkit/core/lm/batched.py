@@ -29,7 +29,12 @@ NON_FINITE_START = int(_NON_FINITE)
 INFEASIBLE_START = len(REASONS)
 BATCHED_REASONS = REASONS + (
     "infeasible start (the start lies outside `bounds`; as scipy's infeasible "
-    "`x0`)",)
+    "`x0`)",
+    "no data (every point of this fit is masked; nothing to fit)",)
+# A problem whose every residual is masked: refused by its own status.
+NO_DATA = INFEASIBLE_START + 1
+# Fits that never ran: no covariance (NaN), not moved.
+NOT_RUN = (NON_FINITE_START, INFEASIBLE_START, NO_DATA)
 
 
 class BatchedOptions(NamedTuple):
@@ -68,6 +73,7 @@ class _Run(NamedTuple):
     damping: tf.Tensor
     cost: tf.Tensor
     stationarity: tf.Tensor
+    blind: tf.Tensor  # [B, P] on a bound the residuals ignore (`Bounds.blind`)
 
 
 def solve(residual_fn, x0, options, counts, box=None, full_output=False):
@@ -104,9 +110,10 @@ def solve(residual_fn, x0, options, counts, box=None, full_output=False):
     if box is not None:
         start = tf.where(finite & box.infeasible(x0),
                          tf.constant(INFEASIBLE_START, tf.int64), start)
+    start = tf.where(counts > 0, start, tf.constant(NO_DATA, tf.int64))
 
-    def run(scaling, controller, start_code):
-        return _run(residual_fn, cost_fn, robust, held, box, x0, start_code,
+    def run(scaling, controller, start_code, x_start=x0):
+        return _run(residual_fn, cost_fn, robust, held, box, x_start, start_code,
                     start_cost, scaling, controller, options, eps)
 
     phases = (options.scaling.phases(options.controller)
@@ -117,13 +124,15 @@ def solve(residual_fn, x0, options, counts, box=None, full_output=False):
         # `least_squares`'s restart: the next phase only where this one ended
         # unconverged, from x0 again; the lower cost of the two is kept.
         again = (out.status >= 4) & (out.status != NON_FINITE_START) & (
-            out.status != INFEASIBLE_START)
+            out.status != INFEASIBLE_START) & (out.status != NO_DATA)
         second = run(*phase, tf.where(again, tf.constant(0, tf.int64), out.status))
         better = again & ((second.cost < out.cost) | ~tf.math.is_finite(out.cost))
         kept = _Run(*[tf.where(better[:, None] if a.shape.rank == 2 else better, a, b)
                       for a, b in zip(second, out)])
         out = kept._replace(iterations=tf.where(
             again, out.iterations + second.iterations, out.iterations))
+    if box is not None:
+        out = _off_bounds(run, box, x0, out, phases[0])
     x = out.x
     final = robust.linearize(residual_fn, x)
     if box is None:
@@ -212,9 +221,32 @@ def _run(residual_fn, cost_fn, robust, held, box, x0, start_code, start_cost,
     along = cosine_now * r_norm
     far = ((code >= 2) & (code <= 3) & ~stationary & (along > sqrt_eps)
            & (final.cost > eps * start_cost))
+    blind = tf.zeros_like(x, tf.bool)
+    if box is not None:  # on a bound the residuals ignore (`Bounds.blind`)
+        blind = box.blind(x, parts.column_norms(final), tf.maximum(largest, now),
+                          eps) & ((code >= 1) & (code <= 3)
+                                  & (final.cost > eps * start_cost))[:, None]
+        far = far | tf.reduce_any(blind, axis=-1)
     code = tf.where(far, tf.constant(6, tf.int64), code)
     return _Run(x=x, iterations=it, status=code, damping=damping, cost=final.cost,
-                stationarity=cosine)
+                stationarity=cosine, blind=blind)
+
+
+def _off_bounds(run, box, x0, out, phase):
+    """`whole_solve.off_bounds` per problem: where a problem stalled on
+    bounds its residuals ignore, one more run of ``phase`` from its point
+    with those parameters moved halfway back to ``x0``; the lower cost is
+    kept, iterations added."""
+    inside = box.inside(out.x, x0, out.blind)
+    again = (out.status == 6) & tf.reduce_any(
+        out.blind & tf.not_equal(inside, out.x), axis=-1)
+    second = run(*phase, tf.where(again, tf.constant(0, tf.int64), out.status),
+                 tf.where(again[:, None], inside, out.x))
+    better = again & (second.cost < out.cost)
+    kept = _Run(*[tf.where(better[:, None] if a.shape.rank == 2 else better, a, b)
+                  for a, b in zip(second, out)])
+    return kept._replace(iterations=tf.where(
+        again, out.iterations + second.iterations, out.iterations))
 
 
 def _step(lin, x, state, scale, stepping, cost_fn, box, scaling, controller,

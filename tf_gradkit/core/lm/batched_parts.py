@@ -23,6 +23,7 @@ from tf_gradkit.core import precision
 from tf_gradkit.core import spd
 from tf_gradkit.core.lm import bounds as bounds_lib
 from tf_gradkit.core.lm import damping as damping_lib
+from tf_gradkit.core.lm import fit_report
 from tf_gradkit.core.lm import robust as robust_lib
 
 
@@ -371,24 +372,11 @@ def column_norms(lin):
 
 
 def covariance(r, cost, counts, absolute):
-    """``curve_fit``'s ``pcov`` per problem (`least_squares.covariance`):
-    the pseudo-inverse of ``J^T J`` from the singular values of ``J`` (those
-    below ``eps * max(n, P) * s_max`` dropped), times ``2 cost / (n - P)``
-    unless ``absolute`` (``absolute_sigma=True``); ``n`` each problem's
-    unmasked point count. From ``r`` [B, P, P], the triangular factor of a
-    QR of J (`triangular_factor`: the same singular values and right
-    vectors), by an SVD outside XLA."""
-    dtype = r.dtype
-    p = r.shape[-1]
+    """``curve_fit``'s ``pcov`` per problem (`least_squares.covariance`,
+    `fit_report.covariance_from_svd`: all ``inf`` where J is rank-deficient
+    or, unless ``absolute``, ``n <= P``), ``n`` each problem's unmasked point
+    count. From ``r`` [B, P, P], the triangular factor of a QR of J
+    (`triangular_factor`: the same singular values and right vectors), by
+    an SVD outside XLA."""
     s, _, v = tf.linalg.svd(r)
-    eps = tf.experimental.numpy.finfo(dtype.as_numpy_dtype).eps
-    kept = s > eps * tf.maximum(counts, float(p))[:, None] * s[:, :1]
-    inverse = tf.where(kept, 1.0 / tf.where(kept, s, tf.ones_like(s)) ** 2,
-                       tf.zeros_like(s))
-    pcov = tf.matmul(v * inverse[:, None, :], v, transpose_b=True)
-    if absolute:
-        return pcov
-    dof = counts - float(p)
-    factor = 2.0 * cost / tf.where(dof > 0, dof, tf.ones_like(dof))
-    return tf.where((dof > 0)[:, None, None], pcov * factor[:, None, None],
-                    tf.constant(float("inf"), dtype))
+    return fit_report.covariance_from_svd(s, v, counts, cost, absolute)

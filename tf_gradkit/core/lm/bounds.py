@@ -48,7 +48,7 @@ class Bounds:
         lower, upper = (cls._side(side, name, var_list, sizes)
                         for side, name in zip(bounds, ("lower", "upper")))
         if np.isnan(lower).any() or np.isnan(upper).any() or not (lower < upper).all():
-            bad = int(np.argmax(~(lower < upper)))
+            bad = int(np.argmax(np.isnan(lower) | np.isnan(upper) | (lower >= upper)))
             raise ValueError(
                 "least_squares: every lower bound must be below its upper bound "
                 f"(as in scipy). Received: lower[{bad}]={lower[bad]}, "
@@ -113,6 +113,25 @@ class Bounds:
                      self.upper - x, one)
         return tf.where((gradient > 0) & tf.math.is_finite(self.lower),
                         x - self.lower, v)
+
+    def blind(self, x, now, largest, eps):
+        """``[..., P]`` bool: the parameters that sit on a bound where the residuals
+        no longer depend on it (its Jacobian column, ``now``, has vanished
+        to ``sqrt(eps)`` of its ``largest`` norm over the run). Its gradient
+        is then 0, so the point passes every first-order test, yet the
+        Gauss-Newton model is blind there: a step that landed on the bound
+        (scipy's gh-7117 hyperbola, ``c = 0`` in ``sqrt(u + c^2 / 4)``) can
+        end the fit far above the minimum that the interior reaches; the
+        solve then continues from inside the box (`whole_solve.off_bounds`)."""
+        on_bound = (x <= self.lower) | (x >= self.upper)
+        vanished = (largest > 0) & (now <= tf.sqrt(tf.constant(eps, x.dtype)) * largest)
+        return on_bound & vanished
+
+    def inside(self, x, x0, which):
+        """``x`` with the parameters in ``which`` moved halfway from their
+        bound back to ``x0`` (where a blind bound stopped the fit)."""
+        bound = tf.where(x <= self.lower, self.lower, self.upper)
+        return tf.where(which, bound + 0.5 * (x0 - bound), x)
 
     def active_mask(self, x):
         """scipy's ``active_mask``: -1 on the lower bound, 1 on the upper, 0

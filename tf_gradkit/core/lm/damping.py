@@ -307,8 +307,13 @@ class TrustRegion(Controller):
         actual = trial.actual
         quad = 0.5 * trial.slope / (trial.slope + 0.5 * actual)
         temp = tf.where(actual >= 0, tf.constant(0.5, lam.dtype), quad)
-        blown = ~(trial.new_cost < 100.0 * trial.cost)  # NaN counts as blown
-        temp = tf.where(blown | ~(temp >= 0.1), tf.constant(0.1, lam.dtype), temp)
+        # NaN counts as blown / as too small. Spelled with `is_nan`: Grappler
+        # rewrites a negated comparison ``~(a < b)`` into ``a >= b``, which is
+        # False for NaN (the radius then became NaN and the fit froze).
+        blown = (tf.math.is_nan(trial.new_cost)
+                 | (trial.new_cost >= 100.0 * trial.cost))
+        temp = tf.where(blown | tf.math.is_nan(temp) | (temp < 0.1),
+                        tf.constant(0.1, lam.dtype), temp)
         temp = tf.minimum(temp, tf.constant(0.5, lam.dtype))
         shrink = DampingState(lam / temp, temp * tf.minimum(radius, 10.0 * norm))
         grow = DampingState(0.5 * lam, 2.0 * norm)

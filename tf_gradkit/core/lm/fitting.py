@@ -20,6 +20,7 @@ import tensorflow as tf
 from tf_gradkit.core.lm import batched
 from tf_gradkit.core.lm import batched_parts
 from tf_gradkit.core.lm import damping as damping_lib
+from tf_gradkit.core.lm import fit_report
 from tf_gradkit.core.lm import solve_cache
 from tf_gradkit.core.lm.parts import resolve_part
 from tf_gradkit.core.lm.robust import RobustLoss
@@ -44,8 +45,9 @@ class BatchedFitResult(NamedTuple):
         `least_squares`).
       status: ``[B]`` int64, an index into `BATCHED_REASONS` (`reason`
         gives the text): 1-3 converged, 4 iteration limit, 5 no acceptable
-        step, 6 stalled far from a minimum, 7 non-finite start (the
-        parameters, data or residuals), 8 infeasible start.
+        step, 6 a step or cost tolerance met away from a stationary point,
+        7 non-finite start (the parameters, data or residuals), 8
+        infeasible start, 9 no data (every point masked).
       iterations: ``[B]`` LM iterations run (both phases of "hybrid").
       covariance: ``[B, P, P]`` the parameters' covariance (`curve_fit`'s
         ``pcov``; with ``absolute_sigma=False`` scaled by ``2 cost / (n - P)``,
@@ -55,6 +57,10 @@ class BatchedFitResult(NamedTuple):
         `LeastSquaresResult`, per problem.
       fun, jac: the residuals ``[B, N]`` and the Jacobian ``[B, N, P]`` at
         the solution, with ``full_output=True`` (else None).
+      undetermined: ``[B]`` bool: the covariance could not be estimated
+        (the Jacobian is rank-deficient at the solution, e.g. the model
+        ignores a parameter, or ``n <= P``): ``covariance`` is ``inf`` there
+        (scipy's convention; `curve_fit` also warns, `fit_report`).
     """
 
     x: tf.Tensor
@@ -71,6 +77,7 @@ class BatchedFitResult(NamedTuple):
     active_mask: tf.Tensor
     fun: tf.Tensor = None
     jac: tf.Tensor = None
+    undetermined: tf.Tensor = None
 
     @property
     def reason(self):
@@ -159,7 +166,7 @@ def curve_fit(f, xdata, ydata, p0, sigma=None, bounds=(-np.inf, np.inf),
       ydata: ``[B, N]``, or ``[N]`` for one fit (then ``p0`` is ``[P]`` and
         the result has no batch axis).
       p0: ``[B, P]`` starts (``[P]`` for one fit).
-      sigma: None, ``[N]`` (all fits) or ``[B, N]``: each point's standard
+      sigma: None, a scalar, ``[N]`` (all fits) or ``[B, N]``: each point's standard
         deviation (1-D ``sigma`` of scipy's ``curve_fit``; a full covariance
         matrix is not accepted). ``inf`` drops a point like ``mask``.
       bounds, loss, f_scale: as scipy's ``curve_fit``/``least_squares``;
@@ -194,13 +201,15 @@ def curve_fit(f, xdata, ydata, p0, sigma=None, bounds=(-np.inf, np.inf),
     if unknown:
         raise TypeError(f"curve_fit: unexpected keyword arguments {sorted(unknown)}.")
     jit_compile = options.pop("jit_compile", True)
+    _check_curve_inputs(xdata, ydata, p0)
     one = np.ndim(ydata) == 1
     if one:
         if np.ndim(p0) != 1:
             raise ValueError("curve_fit: with one data set (`ydata` [N]) `p0` must be "
                              f"[P]. Received: p0 of shape {np.shape(p0)}")
         ydata, p0 = np.asarray(ydata)[None], np.asarray(p0)[None]
-        sigma = None if sigma is None else np.asarray(sigma)[None]
+        sigma = (sigma if sigma is None or np.ndim(sigma) == 0
+                 else np.asarray(sigma)[None])
         mask = None if mask is None else np.asarray(mask)[None]
         if xdata_per_fit:
             xdata = tf.nest.map_structure(lambda a: np.asarray(a)[None], xdata)
@@ -225,6 +234,8 @@ def curve_fit(f, xdata, ydata, p0, sigma=None, bounds=(-np.inf, np.inf),
         sigma = tf.ones([batch, n], dtype)
     else:
         s = np.shape(sigma)
+        if s == ():  # one sigma for every point (as scipy)
+            sigma, s = np.full([n], sigma, np.float64), (n,)
         if s not in ((n,), (batch, n)):
             raise ValueError(
                 f"curve_fit: `sigma` must be [N] or [B, N] ([{n}] or [{batch}, "
@@ -242,7 +253,33 @@ def curve_fit(f, xdata, ydata, p0, sigma=None, bounds=(-np.inf, np.inf),
                     name="curve_fit")
     if one:
         result = BatchedFitResult(*[None if t is None else t[0] for t in result])
+    if tf.executing_eagerly():
+        fit_report.warn_undetermined(result.undetermined, "curve_fit")
     return result
+
+
+def _check_curve_inputs(xdata, ydata, p0):
+    """Refuses, naming the argument, what `curve_fit` cannot fit (before
+    anything reaches TensorFlow)."""
+    if xdata is None:
+        raise ValueError(
+            "curve_fit: `xdata` is None; pass the independent variable (any "
+            "array `f(xdata, params)` reads, e.g. np.arange(N) when `f` needs "
+            "none).")
+    if p0 is None:
+        raise ValueError(
+            "curve_fit: `p0` is None; pass the starts, [P] for one fit or [B, P] "
+            "(`f(xdata, params)` takes all parameters as one array, so their "
+            "number cannot be read from its signature as scipy does).")
+    if ydata is None or np.ndim(ydata) == 0:
+        raise ValueError(
+            "curve_fit: `ydata` must be [N] for one fit or [B, N] for B fits "
+            f"(one value per point). Received: ydata={ydata!r}")
+    if np.shape(ydata)[-1] == 0:
+        raise ValueError(
+            "curve_fit: `ydata` has no points (shape "
+            f"{tuple(np.shape(ydata))}): there is nothing to fit (as scipy, "
+            "which refuses empty data). Pass at least one point per fit.")
 
 
 def _curve_residuals(f, per_fit, shared, mask):
@@ -332,8 +369,7 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
     if mask is not None:
         n_points = int(mask.shape[1])
     elif batch_size is None:  # N from one problem's residuals
-        n_points = int(fn(x0[:1], *tf.nest.map_structure(lambda t: t[:1],
-                                                         per_fit)).shape[-1])
+        n_points = _residual_count(fn, x0, per_fit, name)
     if batch_size is None:
         budget = (CHUNK_ELEMENTS if tf.config.list_logical_devices("GPU")
                   else CHUNK_ELEMENTS_CPU)
@@ -365,12 +401,34 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
         lambda *ts: None if ts[0] is None else tf.concat(ts, axis=0), *solutions)
     cov = tf.concat([o[1] for o in outputs], axis=0)
     status = sol.status
+    cov = fit_report.without_covariance(cov, _not_run(status))
     return BatchedFitResult(
         x=sol.x, cost=sol.cost, converged=(status >= 1) & (status <= 3),
         status=status, iterations=sol.iterations, covariance=cov,
         perr=tf.sqrt(tf.linalg.diag_part(cov)), optimality=sol.optimality,
         stationarity=sol.stationarity, damping=sol.damping, grad=sol.grad,
-        active_mask=sol.active_mask, fun=sol.fun, jac=sol.jac)
+        active_mask=sol.active_mask, fun=sol.fun, jac=sol.jac,
+        undetermined=fit_report.undetermined(cov))
+
+
+def _not_run(status):
+    """[B] bool: fits that never ran (non-finite or infeasible start, no
+    data): their covariance is NaN."""
+    return tf.reduce_any(status[:, None] == tf.constant(batched.NOT_RUN, status.dtype),
+                         axis=1)
+
+
+def _residual_count(fn, x0, per_fit, name):
+    """N from the residuals of the first problem, refused naming `fun`
+    unless they are [1, N]."""
+    r = fn(x0[:1], *tf.nest.map_structure(lambda t: t[:1], per_fit))
+    shape = getattr(r, "shape", np.shape(r))
+    if len(shape) != 2:
+        raise ValueError(
+            f"{name}: `fun(x, *args)` must return the residuals [B, N] (one row "
+            f"per problem) for `x` [B, P]. Received: shape {list(shape)} for "
+            f"`x` of shape {x0[:1].shape.as_list()}.")
+    return int(shape[-1])
 
 
 def _pad(t, size):
@@ -453,7 +511,7 @@ def _bounds(bounds, batch, p, dtype, name):
                 f"[B, P] = [{batch}, {p}]. Received: shape {a.shape}")
         sides.append(np.broadcast_to(a, (batch, p)))
     lower, upper = sides
-    bad = ~(lower < upper)
+    bad = np.isnan(lower) | np.isnan(upper) | (lower >= upper)
     if bad.any():
         b, j = np.argwhere(bad)[0]
         raise ValueError(f"{name}: every lower bound must be below its upper bound "

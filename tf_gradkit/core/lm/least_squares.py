@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from tf_gradkit.core.lm import bounds as bounds_lib
 from tf_gradkit.core.lm import damping as damping_lib
+from tf_gradkit.core.lm import fit_report
 from tf_gradkit.core.lm import linearize as lin_lib
 from tf_gradkit.core.lm import linear_solvers as solvers_lib
 from tf_gradkit.core.lm import solve_cache
@@ -75,7 +76,11 @@ class LeastSquaresResult(NamedTuple):
         ``eps * max(N, P) * s_max`` dropped) times ``2 cost / (N - P)``
         (``inf`` when N <= P). Residuals weighted by ``1/sigma`` with
         absolute sigmas: ``covariance * (N - P) / (2 * cost)``. None with
-        a matrix-free solver.
+        a matrix-free solver. All ``inf`` when ``jac`` is rank-deficient
+        (a parameter the residuals ignore has no variance estimate; scipy's
+        ``curve_fit`` convention, `fit_report`); NaN for a non-finite start.
+      undetermined: True when ``covariance`` is ``inf`` (rank-deficient
+        ``jac`` or N <= P); None with a matrix-free solver.
     """
 
     cost: tf.Tensor
@@ -91,6 +96,7 @@ class LeastSquaresResult(NamedTuple):
     grad: tf.Tensor = None
     active_mask: tf.Tensor = None
     covariance: tf.Tensor = None
+    undetermined: tf.Tensor = None
 
     @property
     def reason(self):
@@ -256,6 +262,8 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                    jit_compile, dtype.name)
         out = _compiled(build, residual_fn, inputs, jit_compile, key)(*inputs)
     it, code, damping, cost, optimality, cosine, x, fun, jac, grad, mask, cov = out
+    if cov is not None:
+        cov = fit_report.without_covariance(cov, tf.equal(code, NON_FINITE_START))
     if tf.executing_eagerly() and int(code) == StopReason.NON_FINITE_START:
         raise ValueError(
             "least_squares: the residuals of `residual_fn` are not finite at the "
@@ -267,7 +275,9 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                               reason_code=code, damping=damping,
                               optimality=optimality, stationarity=cosine,
                               x=x, fun=fun, jac=jac, grad=grad,
-                              active_mask=mask, covariance=cov)
+                              active_mask=mask, covariance=cov,
+                              undetermined=(None if cov is None
+                                            else fit_report.undetermined(cov)))
 
 
 def _compiled(build, residual_fn, inputs, jit_compile, key):

@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gradkit.core.lm import bounds as bounds_lib
+from tf_gradkit.core.lm import fit_report
 from tf_gradkit.core.lm import geodesic as geodesic_lib
 from tf_gradkit.core.lm import linearize as lin_lib
 from tf_gradkit.core.lm import linear_solvers as solvers_lib
@@ -59,8 +60,11 @@ DESCRIPTIONS = {
     StopReason.ITERATION_LIMIT: "iteration limit",
     StopReason.NO_ACCEPTABLE_STEP: "no acceptable step (damping exhausted)",
     StopReason.STALLED: (
-        "stalled far from a minimum (steps stopped while the gradient is not "
-        "small: try another start or rescale the parameters)"),
+        "stalled: xtol or ftol stopped the fit at a point not shown to be a "
+        "minimum (the gradient is not small next to the residuals, or a "
+        "parameter sits on a bound where the residuals ignore it): tighten "
+        "ftol/xtol to go on; if the cost stays high, try another start or "
+        "rescale the parameters"),
     StopReason.NON_FINITE_START: (
         "non-finite start (the parameters or the residuals at the start are "
         "inf or NaN)"),
@@ -140,19 +144,27 @@ class Tolerances(NamedTuple):
 
 
 class PhaseResult(NamedTuple):
-    """One phase's end: iterations, stop code, damping, cost, stationarity."""
+    """One phase's end: iterations, stop code, damping, cost, stationarity,
+    and ``blind`` [P]: the parameters held on a bound the residuals ignore
+    where that made a tolerance stop `StopReason.STALLED` (`off_bounds`)."""
 
     iterations: tf.Tensor
     code: tf.Tensor
     damping: tf.Tensor
     cost: tf.Tensor
     stationarity: tf.Tensor
+    blind: tf.Tensor
 
 
 def cost(problem):
     """The cost at the variables' values: ``0.5 sum r^2``, or the robust
     loss's."""
     r = tf.cast(tf.reshape(problem.residual_fn(), [-1]), problem.dtype)
+    if r.shape.num_elements() == 0:  # known at trace time
+        raise ValueError(
+            "least_squares: `residual_fn` returned no residuals (shape "
+            f"{r.shape.as_list()}): there is nothing to fit (scipy refuses this "
+            "too). Return at least one residual.")
     if problem.robust.is_linear:
         return 0.5 * tf.reduce_sum(tf.square(r))
     return problem.robust.cost(r)
@@ -285,13 +297,15 @@ def run_phase(problem, linearize, box, tolerances, scaling, controller, start_co
         maximum_iterations=problem.max_iterations)
     code = tf.where(code == 0, _code(StopReason.ITERATION_LIMIT), code)
     final = linearize.final()
-    code, cosine = final_code(problem, box, code, final, largest, start_cost)
-    return PhaseResult(it, code, state.damping, final.cost, cosine), final
+    code, cosine, blind = final_code(problem, box, code, final, largest, start_cost)
+    return PhaseResult(it, code, state.damping, final.cost, cosine, blind), final
 
 
 def final_code(problem, box, code, final, largest, start_cost):
-    """``(code, stationarity)``: a tolerance stop (2, 3) that is neither
-    stationary nor at round-off becomes `StopReason.STALLED`.
+    """``(code, stationarity, blind)``: a tolerance stop (2, 3) that is
+    neither stationary nor at round-off becomes `StopReason.STALLED`; so does
+    one (1-3) with a parameter on a bound the residuals ignore there
+    (`bounds.Bounds.blind`; ``blind`` [P] marks them).
 
     Stationary: the cosine small with the columns' current norms, or, where
     a column has shrunk (a minimum where it vanishes while r does not),
@@ -319,7 +333,39 @@ def final_code(problem, box, code, final, largest, start_cost):
            & (code <= _code(StopReason.COST_TOLERANCE)) & ~stationary
            & (along > tf.sqrt(tf.constant(eps, dtype)))
            & (final.cost > eps * start_cost))
-    return tf.where(far, _code(StopReason.STALLED), code), cosine
+    blind = tf.zeros_like(now, tf.bool)
+    if box is not None:  # on a bound the model is blind to: not verified
+        x = lin_lib.flatten(problem.variables, dtype)
+        blind = box.blind(x, column_norms(final), tf.maximum(largest, now), eps) & (
+            (code >= _code(StopReason.GRADIENT_TOLERANCE))
+            & (code <= _code(StopReason.COST_TOLERANCE))
+            & (final.cost > eps * start_cost))
+        far = far | tf.reduce_any(blind)
+    return tf.where(far, _code(StopReason.STALLED), code), cosine, blind
+
+
+def off_bounds(problem, linearize, box, tolerances, phase, first, x0, start_cost):
+    """Where ``first`` stalled on bounds the residuals ignore (``first.blind``),
+    one more run of ``phase`` from its point with those parameters moved
+    halfway back to ``x0`` (`bounds.Bounds.inside`); the lower cost of the
+    two is kept, iterations added. scipy's ``trf`` never lands on a bound
+    (its iterates stay strictly inside), so it does not meet this stop."""
+    variables, dtype = problem.variables, problem.dtype
+
+    def another():
+        x_first = lin_lib.flatten(variables, dtype)
+        assign(variables, box.inside(x_first, x0, first.blind))
+        second, _ = run_phase(problem, linearize, box, tolerances, *phase, start_cost)
+        better = second.cost < first.cost
+        assign(variables, tf.where(better, lin_lib.flatten(variables, dtype), x_first))
+        kept = tf.nest.map_structure(lambda a, b: tf.where(better, a, b),
+                                     second, first)
+        return kept._replace(iterations=first.iterations + second.iterations)
+
+    x = lin_lib.flatten(variables, dtype)
+    movable = tf.reduce_any(first.blind & tf.not_equal(box.inside(x, x0, first.blind), x))
+    return tf.cond((first.code == _code(StopReason.STALLED)) & movable, another,
+                   lambda: first)
 
 
 def restart(problem, linearize, box, tolerances, phase, first, x0, start_cost):
@@ -372,7 +418,10 @@ def solve(problem, tolerances, box, phases, with_covariance):
     out, final = run_phase(problem, linearize, box, tolerances, *phases[0], start_cost)
     for phase in phases[1:]:
         out = restart(problem, linearize, box, tolerances, phase, out, x0, start_cost)
-    if len(phases) > 1:  # the kept phase's point: linearised again there
+    if box is not None:
+        out = off_bounds(problem, linearize, box, tolerances, phases[0], out, x0,
+                         start_cost)
+    if len(phases) > 1 or box is not None:  # the kept point: linearised again
         final = linearize.final()
     x = lin_lib.flatten(variables, dtype)
     fun = tf.cast(tf.reshape(problem.residual_fn(), [-1]), dtype)
@@ -388,19 +437,11 @@ def solve(problem, tolerances, box, phases, with_covariance):
 
 def covariance(jac, cost_value):
     """``curve_fit``'s ``pcov`` from the Jacobian and the cost at the
-    solution (one thin SVD of ``jac``, P x P)."""
-    dtype = jac.dtype
-    n = tf.cast(tf.shape(jac)[0], dtype)
-    p = tf.shape(jac)[1]
+    solution (one thin SVD of ``jac``, P x P); all ``inf`` when ``jac`` is
+    rank-deficient or N <= P (`fit_report.covariance_from_svd`)."""
     s, _, v = tf.linalg.svd(jac, full_matrices=False)
-    eps = tf.experimental.numpy.finfo(dtype.as_numpy_dtype).eps
-    kept = s > eps * tf.maximum(n, tf.cast(p, dtype)) * s[0]
-    inverse = tf.where(kept, 1.0 / tf.where(kept, s, tf.ones_like(s)) ** 2,
-                       tf.zeros_like(s))
-    pcov = tf.matmul(v * inverse[None, :], v, transpose_b=True)
-    dof = n - tf.cast(p, dtype)
-    return tf.where(dof > 0, pcov * (2.0 * cost_value / tf.where(dof > 0, dof, 1.0)),
-                    tf.fill([p, p], tf.constant(float("inf"), dtype)))
+    return fit_report.covariance_from_svd(
+        s, v, tf.cast(tf.shape(jac)[0], jac.dtype), cost_value)
 
 
 def stationarity(lin, largest):
