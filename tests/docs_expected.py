@@ -139,6 +139,9 @@ EXPECT = {
                             "     # all 1"): Numbers(1, 1, 1, 1, **F32),
     ("docs/gpu_and_xla.md", 'print("loop kernel:", spd.uses_loop(a.shape[0]))   # at trace time'):
         Check(lambda n, t: t in ("loop kernel: True", "loop kernel: False"), "printed once, when traced"),
+    ("docs/gradient_accumulation.md", "print(accumulator_dtype, kernel)  # 33.0 both times (33.125 "
+                                      "rounded to bfloat16)"): Calls(
+        Numbers(33), Numbers(33, why="exact: 33.125 is 33.0 in bfloat16's 8-bit significand")),
     ("docs/gradient_accumulation.md", "print(int(opt.iterations.numpy()), int(opt.micro_steps.numpy()))"
                                       "   # 32 126"): Numbers(32, 126),
     ("docs/gradients.md", "print(jacobian(lambda: tf.stack([x[0] * x[1], x[0] ** 2]), x).numpy())   "
