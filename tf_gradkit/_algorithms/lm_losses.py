@@ -267,7 +267,7 @@ def ggn_terms(terms, outputs, widths, targets, weights, example_scale, dtype):
             padded.append(tf.concat(
                 [tf.zeros_like(b) if j != k else h for j, b in enumerate(g)], axis=1)
                 if len(g) > 1 else h)
-    join = (lambda parts: parts[0]) if len(g) == 1 else (  # noqa: E731
+    join = (lambda parts: parts[0]) if len(g) == 1 else (
         lambda parts: tf.concat(parts, axis=1))
     return ggn_lib.OutputTerms(tf.add_n(cost), join(g), join(h_diag), tuple(padded))
 
