@@ -183,7 +183,7 @@ def test_mixed_outputs_reach_the_compiled_losss_stationary_point(K, gk, mode, ca
         loss, acts, targets = ["mse", K.losses.Huber(0.3)], (None, None), None
     else:
         loss = ["mean_squared_error", K.losses.BinaryCrossentropy(from_logits=True)]
-        acts, targets = (None, None), lambda y1, y2: [y1, (y2 > 0).astype(F64)]  # noqa: E731
+        acts, targets = (None, None), lambda y1, y2: [y1, (y2 > 0).astype(F64)]
     model, history, x, y = _stationary(K, gk, mode, loss, acts, targets)
     assert history[-1] < history[0]
     _, grad = keras_gradient(model, x, y)

@@ -38,10 +38,11 @@ ROBUST = {"huber": "huber", "mean_absolute_error": "absolute"}
 CROSS_ENTROPY = {"categorical_crossentropy": "categorical",
                  "sparse_categorical_crossentropy": "sparse_categorical",
                  "binary_crossentropy": "binary"}
-ACCEPTED = ("'mse' (MeanSquaredError), 'huber' (Huber(delta)), 'mae' "
-            "(MeanAbsoluteError), 'categorical_crossentropy', "
-            "'sparse_categorical_crossentropy', 'binary_crossentropy' (their "
-            "classes too, from_logits either way), one per output, in any mix")
+ACCEPTED = ("a mean squared error ('mse', MeanSquaredError), a robust loss ('huber', "
+            "Huber(delta); 'mae', MeanAbsoluteError) or a cross-entropy "
+            "('categorical_crossentropy', 'sparse_categorical_crossentropy', "
+            "'binary_crossentropy' or their classes, from_logits either way), one "
+            "per output, in any mix")
 _MEAN_REDUCTIONS = ("auto", "sum_over_batch_size", "mean")
 
 
