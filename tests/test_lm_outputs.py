@@ -159,7 +159,10 @@ def test_two_sigmoid_heads_step_as_one_dense2_output(K, gk, mode):
     # One Dense(2) output's mean over 2 columns is the two heads' mean,
     # halved: weights 0.5 make them the same problem.
     compile_lm(K, gk, split, mode, ["binary_crossentropy"] * 2, loss_weights=[0.5, 0.5])
-    h_joined = fit(joined, x, labels, 3)
+    start = [v.numpy() for v in split.trainable_variables]
+    h_joined = fit(joined, x, labels, 1)
+    after_one = [v.numpy() for v in joined.trainable_variables]
+    h_joined += fit(joined, x, labels, 2)
     h_split = fit(split, x, [labels[:, :1], labels[:, 1:]], 3)
     # Keras reports its loss in float32: 1e-6 relative.
     np.testing.assert_allclose(h_split, h_joined, rtol=1e-6)
@@ -168,11 +171,16 @@ def test_two_sigmoid_heads_step_as_one_dense2_output(K, gk, mode):
     got = split.trainable_variables
     np.testing.assert_allclose(np.concatenate([got[0].numpy(), got[2].numpy()], 1),
                                kernel, rtol=1e-8, atol=1e-10)
-    # Control: without the weights (twice the joined loss) LM steps elsewhere.
-    split2 = two_outputs(K, widths=(1, 1), activations=("sigmoid", "sigmoid"), trunk=False)
-    for v, w in zip(split2.trainable_variables, [kernel[:, :1] * 0, bias[:1] * 0,
-                                                 kernel[:, 1:] * 0, bias[1:] * 0]):
+    # Control: o2 weighed less (another problem) steps elsewhere.
+    control = two_outputs(K, widths=(1, 1), activations=("sigmoid", "sigmoid"), trunk=False)
+    for v, w in zip(control.trainable_variables, start):
         v.assign(w)
+    compile_lm(K, gk, control, "eager", ["binary_crossentropy"] * 2,
+               loss_weights=[0.5, 0.1])
+    fit(control, x, [labels[:, :1], labels[:, 1:]], 1)
+    got = control.trainable_variables
+    assert not np.allclose(np.concatenate([got[0].numpy(), got[2].numpy()], 1),
+                           after_one[0], rtol=1e-6)
 
 
 # -- 4. mixed losses ------------------------------------------------------------
