@@ -171,12 +171,14 @@ def test_two_sigmoid_heads_step_as_one_dense2_output(K, gk, mode):
     got = split.trainable_variables
     np.testing.assert_allclose(np.concatenate([got[0].numpy(), got[2].numpy()], 1),
                                kernel, rtol=1e-8, atol=1e-10)
-    # Control: o2 weighed less (another problem) steps elsewhere.
+    # Control: the heads' probabilities read as logits (another loss) step
+    # elsewhere. (Weights alone would not do: with heads of their own, a
+    # weight scales a block of J^T H J and its Marquardt scaling alike.)
     control = two_outputs(K, widths=(1, 1), activations=("sigmoid", "sigmoid"), trunk=False)
     for v, w in zip(control.trainable_variables, start):
         v.assign(w)
-    compile_lm(K, gk, control, "eager", ["binary_crossentropy"] * 2,
-               loss_weights=[0.5, 0.1])
+    compile_lm(K, gk, control, "eager", [K.losses.BinaryCrossentropy(from_logits=True)] * 2,
+               loss_weights=[0.5, 0.5])
     fit(control, x, [labels[:, :1], labels[:, 1:]], 1)
     got = control.trainable_variables
     assert not np.allclose(np.concatenate([got[0].numpy(), got[2].numpy()], 1),
