@@ -145,6 +145,7 @@ def test_from_logits_is_read_per_output(K, gk, mode):
 
 # -- 3. cross-entropies on several outputs ------------------------------------
 
+@pytest.mark.filterwarnings("ignore:.*from_logits=True:UserWarning")
 def test_two_sigmoid_heads_step_as_one_dense2_output(K, gk, mode):
     x, y1, y2 = data()
     labels = np.concatenate([y1 > 1, y2[:, :1] > 0], 1).astype(F64)
