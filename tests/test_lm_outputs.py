@@ -62,12 +62,13 @@ def weights_of(model):
     return [v.numpy() for v in model.trainable_variables]
 
 
-def keras_gradient(model, x, y):
+def keras_gradient(model, x, y, sample_weight=None):
     """Keras's own compiled loss and its gradient (no LM code involved)."""
     with tf.GradientTape() as tape:
         pred = model(x, training=True)
         loss = model.compute_loss(x, tf.nest.map_structure(tf.convert_to_tensor, y),
-                                  pred)
+                                  pred, None if sample_weight is None
+                                  else tf.convert_to_tensor(sample_weight))
     grads = tape.gradient(loss, model.trainable_variables)
     return float(loss), np.concatenate([g.numpy().ravel() for g in grads])
 
@@ -236,13 +237,15 @@ def test_the_step_linearises_the_compiled_loss(K, gk, case):
     # Eager, so that the first step's linearisation can be read: its cost
     # and J^T r must be Keras's compiled loss and its gradient (by
     # GradientTape, no LM code), times one constant: 1 with a cross-entropy
-    # (a GGN of the mean), the batch B for squared/robust residuals.
+    # (a GGN of the mean), the batch B for squared/robust residuals. Sample
+    # weights count in every block.
     loss, control, acts, targets, widths, lw = _cases(K)[case]
     x, y1, y2 = data()
     y = targets(y1, y2) if targets else [y1, y2]
+    sw = np.random.RandomState(1).uniform(0.2, 2.0, len(x))
     model = compile_lm(K, gk, two_outputs(K, widths=widths, activations=acts), "eager",
                        loss, **({"loss_weights": lw} if lw else {}))
-    keras_loss, keras_grad = keras_gradient(model, x, y)
+    keras_loss, keras_grad = keras_gradient(model, x, y, sw)
     seen = {}
     iterate = model.optimizer._iterate
 
@@ -251,7 +254,7 @@ def test_the_step_linearises_the_compiled_loss(K, gk, case):
         return iterate(lin, *args, **kwargs)
 
     model.optimizer._iterate = record
-    fit(model, x, y, 1)
+    fit(model, x, y, 1, sample_weight=sw)
     lin = seen["lin"]
     scale = 1.0 if "bce" in case or "logits" in case or "softmax" in case else len(x)
     # Keras computes its loss in float32: 1e-5 relative.
@@ -265,7 +268,7 @@ def test_the_step_linearises_the_compiled_loss(K, gk, case):
             v.assign(w)
         # The control's gradient at the same start, at whatever scale.
         model.optimizer._iterate = iterate
-        _, wrong = keras_gradient(twin, x, y)
+        _, wrong = keras_gradient(twin, x, y, sw)
         for other in (wrong, 2 * wrong, 0.5 * wrong):
             assert not np.allclose(lin.jtr.numpy(), scale * other, rtol=1e-3)
 

@@ -1,8 +1,11 @@
 """LevenbergMarquardt's ``fit`` step: one LM iteration on a batch, written
 once for both Keras flavours (the algorithm class inherits `FitStep`).
 
-From the compiled loss (or ``residuals=``) it makes the batch's residuals
-(MSE, robust, or a generalised Gauss-Newton system for cross-entropies),
+From the compiled loss, output by output (`lm_losses`: each output's loss,
+weight and parameters as the host's compiled loss matches them), or from
+``residuals=``, it makes the batch's residuals (squared and robust outputs'
+blocks side by side), or one generalised Gauss-Newton system over every output
+when any is a cross-entropy,
 linearises them (layer taps where the model allows, else automatic
 differentiation; whole, chunked or matrix-free, as the solver consumes),
 runs the iteration (`LevenbergMarquardt._iterate`, or across replicas

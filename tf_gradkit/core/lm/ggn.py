@@ -16,6 +16,12 @@ and with probabilities ``q`` as the output (no logits): ``g = -y / q`` and
 ``H = diag(y / q^2)`` for the categorical loss, and the per-output Bernoulli
 terms for the binary one.
 
+Several outputs, or a cross-entropy beside squared and robust outputs, are one
+sum: each output's terms in its own columns of ``z`` (`OutputTerms`), a
+residual output's ``H`` its residual weights squared and ``g`` their product
+with the residuals (`residual_terms`), so ``J^T H J`` and ``J^T g`` cover
+every output at once (`linearize_terms`).
+
 Reference: N. Schraudolph, "Fast curvature matrix-vector products for
 second-order gradient descent", Neural Computation 14(7), 2002.
 """
