@@ -6,13 +6,18 @@ on every output, and squared/robust/cross-entropy outputs mixed. Oracles:
 
 - a hand-built residual vector (``residuals=``, the same LM otherwise) must
   give the same weights step for step (float64: the two differ only in the
-  order of sums, ~1e-12 relative);
+  order of sums); control: the weights in the dict's order;
 - the same parameters as one concatenated output where that is the same
   problem (two sigmoid heads vs one ``Dense(2)`` sigmoid output);
-- where neither exists (Huber with two deltas, mixed losses), the point LM
-  converges to must be stationary for Keras's own compiled loss (its
-  gradient by ``GradientTape``, independent of LM), and a control that reads
-  the loss wrongly converges elsewhere.
+- the first step's linearisation (cost and ``J^T r``) must be Keras's own
+  compiled loss and its ``GradientTape`` gradient times one constant, with a
+  control that reads a loss wrongly (Huber's first delta, the first
+  ``from_logits``, MSE for all);
+- where a head is a convex problem of its own (no shared trunk), the point LM
+  converges to must be stationary for Keras's compiled loss.
+
+Refusals (an unknown loss, ``label_smoothing``, a cross-entropy with a solver
+that cannot take the GGN) name the output, before fit traces a step.
 """
 
 import numpy as np
