@@ -1,8 +1,11 @@
 """LevenbergMarquardt's ``fit`` step: one LM iteration on a batch, written
 once for both Keras flavours (the algorithm class inherits `FitStep`).
 
-From the compiled loss (or ``residuals=``) it makes the batch's residuals
-(MSE, robust, or a generalised Gauss-Newton system for cross-entropies),
+From the compiled loss, output by output (`lm_losses`: each output's loss,
+weight and parameters as the host's compiled loss matches them), or from
+``residuals=``, it makes the batch's residuals (squared and robust outputs'
+blocks side by side), or one generalised Gauss-Newton system over every output
+when any is a cross-entropy,
 linearises them (layer taps where the model allows, else automatic
 differentiation; whole, chunked or matrix-free, as the solver consumes),
 runs the iteration (`LevenbergMarquardt._iterate`, or across replicas
@@ -92,7 +95,6 @@ class FitStep:
     """LevenbergMarquardt's ``fit`` step (a part of the algorithm class)."""
 
     def _fit_step(self, model, data):
-        loss = getattr(model, "loss", None)
         custom = self.residuals
         if custom is None and self._residuals_unsaved:
             raise ValueError(
@@ -104,18 +106,14 @@ class FitStep:
                 "keras.saving.register_keras_serializable so that it is saved by "
                 "name.")
         check_residuals(custom, self.chunk_size)
-        loss_name = None if custom is not None else lm_losses.loss_name(loss)
-        robust = None if custom is not None else lm_losses.robust_loss(loss)
-        if custom is None and loss_name not in lm_losses.MSE_NAMES and loss_name not in \
-                lm_losses.CROSS_ENTROPY and robust is None:
-            raise ValueError(
-                "LevenbergMarquardt: the model must be compiled with a mean "
-                f"squared error loss (one of {lm_losses.MSE_NAMES}), a robust one "
-                f"(one of {sorted(lm_losses.ROBUST)}) or a cross-entropy "
-                f"(one of {sorted(lm_losses.CROSS_ENTROPY)}). Received: loss={loss!r}")
         x, y, sample_weight = self._unpack(data)
         # The forward pass first: it builds a model that was not built yet.
         y_pred = model(x, training=False)
+        # Each output's loss, matched to it as the flavour's Keras matches it.
+        terms = None if custom is not None else lm_losses.read_output_losses(
+            self, model, y, y_pred)
+        if terms is not None and lm_losses.uses_ggn(terms):
+            self._check_ggn(terms)
         variables = model.trainable_variables
         if not variables:
             raise ValueError("LevenbergMarquardt: the model has no trainable "
@@ -130,25 +128,6 @@ class FitStep:
         object.__setattr__(self, "_step_constrain", variable_constraints(variables))
         object.__setattr__(self, "_step_solver", self.solver.for_shape(None, None))
 
-        loss_weights = lm_losses.compiled_loss_weights(model)
-
-        def residuals(xb, yb, wb):
-            if custom is not None:
-                return tf.cast(tf.reshape(custom(model, xb, yb, wb), [-1]), dtype)
-            return residuals_of(model(xb, training=True), yb, wb)
-
-        def residuals_of(y_pred, yb, wb):
-            if robust is None:
-                return lm_losses.mse_residuals(y_pred, yb, wb, dtype, loss_weights)
-            # Huber, MAE: the robust loss's step residuals (core/lm/robust.py).
-            return robust.scale(*lm_losses.weighted_errors(y_pred, yb, wb, dtype,
-                                                           loss_weights))
-
-        def robust_cost(xb, yb, wb):
-            """The batch's sum of the robust loss: batch * the compiled loss."""
-            return robust.cost(*lm_losses.weighted_errors(
-                model(xb, training=True), yb, wb, dtype, loss_weights))
-
         batch = tf.shape(tf.nest.flatten(x)[0])[0]
         steps = self._tap_plan(model, variables, custom)
 
@@ -158,19 +137,30 @@ class FitStep:
                                                             rows_fn, dtype)
             return r, lin_lib.on_support(jac, support)
 
-        if loss_name in lm_losses.CROSS_ENTROPY:
-            outputs = None if steps is None else lambda: tapped(
-                lambda: tf.reshape(model(x, training=True), [batch, -1]))
-            return self._fit_step_cross_entropy(
-                model, x, y, sample_weight, y_pred, batch, tf_vars, dtype,
-                lm_losses.CROSS_ENTROPY[loss_name], lm_losses.from_logits(loss),
-                outputs)
+        if terms is not None and lm_losses.uses_ggn(terms):
+            return self._fit_step_ggn(model, terms, x, y, sample_weight, y_pred,
+                                      batch, tf_vars, dtype,
+                                      None if steps is None else tapped)
+
+        def rows_of(xb, yb, wb):
+            """The step residuals [B, m]: every output's block side by side."""
+            if custom is not None:
+                return custom(model, xb, yb, wb)
+            return lm_losses.residual_rows(terms, yb, model(xb, training=True), wb,
+                                           dtype)
+
+        def residuals(xb, yb, wb):
+            return tf.cast(tf.reshape(rows_of(xb, yb, wb), [-1]), dtype)
+
+        def cost(xb, yb, wb):
+            """The batch's summed loss (robust blocks at their own cost)."""
+            if custom is not None:
+                return lm_losses.half_sum_sq(residuals(xb, yb, wb), dtype)
+            return lm_losses.residual_cost(terms, yb, model(xb, training=True), wb,
+                                           dtype)
 
         def residual_rows(xb, yb, wb):
-            def rows():
-                y_pred = model(xb, training=True)
-                return lm_losses.per_example(residuals_of(y_pred, yb, wb), y_pred)
-            return rows
+            return lambda: rows_of(xb, yb, wb)
 
         if (self.chunk_size is None and steps is not None
                 and self.solver.consumes == solvers_lib.MATRIX_FREE):
@@ -187,42 +177,80 @@ class FitStep:
             lin = self._chunked(residuals, x, y, sample_weight, batch, tf_vars, dtype,
                                 None if steps is None else
                                 lambda xb, yb, wb: tapped(residual_rows(xb, yb, wb)))
-        if robust is not None:
-            return self._step_and_report(
-                model, x, y, sample_weight, y_pred,
-                lin._replace(cost=robust_cost(x, y, sample_weight)), robust_cost,
-                tf_vars)
-        return self._step_and_report(
-            model, x, y, sample_weight, y_pred, lin,
-            lambda xb, yb, wb: lm_losses.half_sum_sq(residuals(xb, yb, wb), dtype), tf_vars)
+        if terms is not None and any(t.family == "robust" for t in terms):
+            # 0.5 |r|^2 of the step residuals is not a robust loss's cost.
+            lin = lin._replace(cost=cost(x, y, sample_weight))
+        return self._step_and_report(model, x, y, sample_weight, y_pred, lin, cost,
+                                     tf_vars)
 
-    def _fit_step_cross_entropy(self, model, x, y, sample_weight, y_pred, batch,
-                                tf_vars, dtype, kind, from_logits,
-                                outputs_and_jacobian=None):
+    def _check_ggn(self, terms):
+        """A cross-entropy output makes the step a summed GGN: ``J^T H J``
+        is formed whole, for a solver that reads only it."""
         if (self.solver.consumes != solvers_lib.NORMAL_EQUATIONS
                 or self.chunk_size is not None):
+            names = [t.name for t in terms if t.family == "cross_entropy"]
             raise ValueError(
-                "LevenbergMarquardt: cross-entropy losses use the generalised "
-                "Gauss-Newton matrix, which needs solver='cholesky' and "
-                f"chunk_size=None. Received: solver={parts_lib.part_name(self.solver)!r}, "
+                f"LevenbergMarquardt: output {names[0]!r} has a cross-entropy loss, "
+                "which is stepped through the generalised Gauss-Newton matrix: it "
+                "needs solver='cholesky' and chunk_size=None. Received: "
+                f"solver={parts_lib.part_name(self.solver)!r}, "
                 f"chunk_size={self.chunk_size}")
 
-        def example_weights(xb, wb):
+    def _on_fit_start(self, model):
+        """Refuses, before ``fit`` traces a step, a compiled loss LM cannot
+        step (naming the output) or a cross-entropy with a solver that
+        cannot take its GGN."""
+        if self.residuals is not None or self._residuals_unsaved:
+            return
+        given = self._given_losses(model)
+        lm_losses.check_given_losses(self, model)
+        if any(self._keras_loss_function(loss) in lm_losses.CROSS_ENTROPY
+               for _, loss in given):
+            self._check_ggn([lm_losses.OutputTerm(name, "cross_entropy", 1.0)
+                             for name, loss in given
+                             if self._keras_loss_function(loss) in lm_losses.CROSS_ENTROPY])
+
+    def _fit_step_ggn(self, model, terms, x, y, sample_weight, y_pred, batch,
+                      tf_vars, dtype, tapped=None):
+        """One step when any output is a cross-entropy: every output's terms
+        (`lm_losses.ggn_terms`) summed into one GGN over the outputs'
+        Jacobian, the cost Keras's compiled loss."""
+        del batch
+
+        def example_scale(xb):
             # Keras reduces with the mean over the (global) batch: w_i / B.
             b = tf.shape(tf.nest.flatten(xb)[0])[0]
-            w = tf.ones([b], dtype) if wb is None else tf.cast(tf.reshape(wb, [-1]), dtype)
             replicas = tf.distribute.get_strategy().num_replicas_in_sync
-            return w / tf.cast(b * replicas, dtype)
+            return 1.0 / tf.cast(b * replicas, dtype)
 
-        lin = ggn_lib.linearize_cross_entropy(
-            lambda: model(x, training=True), y, example_weights(x, sample_weight),
-            tf_vars, kind, from_logits, dtype, support=self._step_support,
-            outputs_and_jacobian=outputs_and_jacobian)
-        return self._step_and_report(
-            model, x, y, sample_weight, y_pred, lin,
-            lambda xb, yb, wb: ggn_lib.cross_entropy_cost(
-                model(xb, training=True), yb, example_weights(xb, wb), kind,
-                from_logits, dtype), tf_vars)
+        preds, targets, weights = lm_losses.selected_outputs(terms, y, y_pred,
+                                                             sample_weight)
+        widths = lm_losses.widths_of(preds)
+
+        def rows():
+            outputs = lm_losses.selected_outputs(
+                terms, y, model(x, training=True), sample_weight)[0]
+            return lm_losses.output_rows(terms, outputs, dtype)
+
+        if tapped is not None:
+            outputs, jac = tapped(rows)
+        else:
+            outputs, jac = lin_lib.residuals_and_jacobian(
+                rows, tf_vars, dtype, support=self._step_support)
+        lin = ggn_lib.linearize_terms(
+            outputs, jac, tf.shape(tf.nest.flatten(x)[0])[0],
+            lambda z: lm_losses.ggn_terms(terms, z, widths, targets, weights,
+                                          example_scale(x), dtype))
+
+        def cost(xb, yb, wb):
+            p, t, w = lm_losses.selected_outputs(terms, yb, model(xb, training=True),
+                                                 wb)
+            return lm_losses.ggn_terms(
+                terms, lm_losses.output_rows(terms, p, dtype), widths, t, w,
+                example_scale(xb), dtype).cost
+
+        return self._step_and_report(model, x, y, sample_weight, y_pred, lin, cost,
+                                     tf_vars)
 
     def _step_and_report(self, model, x, y, sample_weight, y_pred, lin,
                          local_cost, tf_vars):

@@ -1,70 +1,303 @@
-"""The losses LevenbergMarquardt trains Keras models on, as residuals or
-generalised Gauss-Newton terms: which compiled losses it accepts and how the
-residuals of a (multi-output, weighted) mean squared error are formed so that
-``0.5 |r|^2`` is exactly ``0.5 * batch * loss``."""
+"""The losses LevenbergMarquardt trains Keras models on, output by output.
+
+Each compiled output loss is read from the flavour's own compiled loss (its
+host's ``_output_losses``: the output it belongs to and the ``loss_weights``
+entry Keras multiplies it by, matched by output name where Keras matches by
+name) and becomes one block of the step:
+
+- a mean squared error: residuals ``sqrt(lw w / d) (y_pred - y)``;
+- a Huber (its own ``delta``) or mean absolute error loss: robust residuals
+  (`core.lm.robust`), reweighted per block;
+- a cross-entropy (its own ``from_logits``): a generalised Gauss-Newton
+  block (`core.lm.ggn`).
+
+The cost is Keras's compiled loss ``sum_k lw_k loss_k`` times one constant:
+``0.5 B`` when every output is a mean squared error (``0.5 |r|^2``), ``B``
+when the residual blocks mix in a robust one (each squared block counts
+twice, as ``|r|^2``), and 1 when any output is a cross-entropy (the blocks
+are summed as one GGN: ``J^T H J`` and ``J^T g`` over every output). So an
+LM step on several outputs is the step on the one problem Keras reports.
+"""
+
+from typing import Any, NamedTuple, Optional
 
 import tensorflow as tf
 
 from tf_gradkit._hosts import protocol
+from tf_gradkit.core.lm import ggn as ggn_lib
 from tf_gradkit.core.lm.robust import RobustLoss
 
-MSE_NAMES = ("mse", "mean_squared_error", "MeanSquaredError")
-# Cross-entropies handled through the generalised Gauss-Newton matrix.
-CROSS_ENTROPY = {
-    "categorical_crossentropy": "categorical",
-    "CategoricalCrossentropy": "categorical",
-    "sparse_categorical_crossentropy": "sparse_categorical",
-    "SparseCategoricalCrossentropy": "sparse_categorical",
-    "binary_crossentropy": "binary",
-    "BinaryCrossentropy": "binary",
-}
-
+# The flavour's own loss functions LM reads (a name, the function and the
+# class alike: "mse", mean_squared_error and MeanSquaredError() are one).
+SQUARED = "mean_squared_error"
 # Robust losses, as residuals: Keras's Huber(delta) per element is scipy's
 # huber with f_scale = delta (0.5 C^2 rho((e/C)^2)); the mean absolute error
 # is the "absolute" loss with C = 1 (|e|), stepped by reweighted least squares.
-ROBUST = {"huber": "huber", "Huber": "huber", "huber_loss": "huber",
-          "mae": "absolute", "mean_absolute_error": "absolute",
-          "MeanAbsoluteError": "absolute"}
+ROBUST = {"huber": "huber", "mean_absolute_error": "absolute"}
+# Cross-entropies handled through the generalised Gauss-Newton matrix.
+CROSS_ENTROPY = {"categorical_crossentropy": "categorical",
+                 "sparse_categorical_crossentropy": "sparse_categorical",
+                 "binary_crossentropy": "binary"}
+ACCEPTED = ("a mean squared error ('mse', MeanSquaredError), a robust loss ('huber', "
+            "Huber(delta); 'mae', MeanAbsoluteError) or a cross-entropy "
+            "('categorical_crossentropy', 'sparse_categorical_crossentropy', "
+            "'binary_crossentropy' or their classes, from_logits either way), one "
+            "per output, in any mix")
+_MEAN_REDUCTIONS = ("auto", "sum_over_batch_size", "mean")
 
+
+class OutputTerm(NamedTuple):
+    """One output's loss as LM steps it.
+
+    Attributes:
+      name: the output's name (messages).
+      family: ``"squared"``, ``"robust"`` or ``"cross_entropy"``.
+      weight: its ``loss_weights`` entry (1.0 when none).
+      robust: its `RobustLoss` (``"robust"``).
+      cross_entropy: its `ggn.LOSSES` kind (``"cross_entropy"``).
+      from_logits: read from this output's loss.
+      select: the host's ``select(y, y_pred, sample_weight)``.
+    """
+
+    name: str
+    family: str
+    weight: float
+    robust: Optional[RobustLoss] = None
+    cross_entropy: Optional[str] = None
+    from_logits: bool = False
+    select: Any = None
+
+
+def _refuse(name, why, loss):
+    raise ValueError(
+        f"LevenbergMarquardt: the loss of output {name!r} ({_describe(loss)}) "
+        f"{why}. Accepted: {ACCEPTED}. Compile with those, or give "
+        "LevenbergMarquardt(model, residuals=fn) a function "
+        "fn(model, x, y, sample_weight) -> residuals of your own.")
+
+
+def _describe(loss):
+    if isinstance(loss, str):
+        return repr(loss)
+    return getattr(loss, "name", None) or getattr(loss, "__name__", None) \
+        or type(loss).__name__
+
+
+def classify(host, name, loss, reduction="mean", weight=None, select=None):
+    """The `OutputTerm` of output ``name``'s compiled ``loss``, or a
+    ValueError naming the output and why LM cannot step it.
+
+    Args:
+      host: the optimizer's host (``_keras_loss_function``).
+      name: the output's name.
+      loss: a Keras ``Loss`` (or what ``compile`` resolves a name to).
+      reduction: ``"mean"`` (Keras's default), else refused.
+      weight: its ``loss_weights`` entry or None.
+      select: the host's selector of this output.
+    """
+    function = host._keras_loss_function(loss)
+    kwargs = protocol.loss_fn_kwargs(loss)
+
+    def option(key, default):
+        return kwargs.get(key, getattr(loss, key, default))
+
+    if function is None or not (function == SQUARED or function in ROBUST
+                                or function in CROSS_ENTROPY):
+        _refuse(name, "is not one LevenbergMarquardt forms residuals or a "
+                "Gauss-Newton matrix for", loss)
+    if reduction != "mean":
+        _refuse(name, f"reduces with {getattr(loss, 'reduction', reduction)!r}; LM "
+                "steps the mean over the batch (reduction='sum_over_batch_size')",
+                loss)
+    weight = 1.0 if weight is None else float(weight)
+    if function == SQUARED:
+        return OutputTerm(name, "squared", weight, select=select)
+    if function in ROBUST:
+        kind = ROBUST[function]
+        scale = float(option("delta", 1.0)) if kind == "huber" else 1.0
+        # Stepped by reweighted least squares (`RobustLoss.first_order`).
+        return OutputTerm(name, "robust", weight,
+                          robust=RobustLoss(kind, scale, first_order=True),
+                          select=select)
+    if float(option("label_smoothing", 0.0) or 0.0) != 0.0:
+        _refuse(name, f"has label_smoothing={option('label_smoothing', 0.0)}, which "
+                "the Gauss-Newton terms do not model", loss)
+    if option("axis", -1) not in (-1, None):
+        _refuse(name, f"has axis={option('axis', -1)}; the Gauss-Newton terms take "
+                "the classes along the last axis", loss)
+    if option("ignore_class", None) is not None:
+        _refuse(name, f"has ignore_class={option('ignore_class', None)}, which the "
+                "Gauss-Newton terms do not model", loss)
+    return OutputTerm(name, "cross_entropy", weight,
+                      cross_entropy=CROSS_ENTROPY[function],
+                      from_logits=bool(option("from_logits", False)), select=select)
+
+
+def check_given_losses(host, model):
+    """Refuses, before any batch (outside any graph), a compiled loss LM
+    cannot step, naming its output (`classify`)."""
+    for name, loss in host._given_losses(model):
+        reduction = getattr(loss, "reduction", "auto")
+        classify(host, name, loss,
+                 "mean" if reduction in _MEAN_REDUCTIONS else reduction)
+
+
+def read_output_losses(host, model, y, y_pred):
+    """Every output's `OutputTerm`, from the host's compiled loss."""
+    losses = host._output_losses(model, y, y_pred)
+    if not losses:
+        raise ValueError(
+            "LevenbergMarquardt: the model was compiled without a loss. Compile "
+            f"with one per output ({ACCEPTED}), or give "
+            "LevenbergMarquardt(model, residuals=fn).")
+    return [classify(host, t.name, t.loss, t.reduction, t.weight, t.select)
+            for t in losses]
+
+
+def uses_ggn(terms):
+    """Whether any output is a cross-entropy (the step is a summed GGN)."""
+    return any(t.family == "cross_entropy" for t in terms)
+
+
+def squared_factor(terms):
+    """How a squared block counts: 1 (``0.5 |r|^2``) when all are squared,
+    2 (``|r|^2``, the robust blocks' scale) otherwise."""
+    return 1.0 if all(t.family == "squared" for t in terms) else 2.0
+
+
+def _selected(terms, y, y_pred, sample_weight):
+    picked = [t.select(y, y_pred, sample_weight) for t in terms]
+    if len(terms) > 1 and len(tf.nest.flatten(y)) < len(terms):
+        raise ValueError(
+            f"LevenbergMarquardt: the model has {len(terms)} outputs with a loss "
+            f"but the data has {len(tf.nest.flatten(y))} targets.")
+    return picked
+
+
+def _block(term, y_t, y_p, weight, dtype, scale):
+    """``(errors [B, d], weights [B, d])`` of one residual output: each
+    element's weight in the summed loss is ``lw * w * scale / d``."""
+    diff = tf.cast(y_p, dtype) - tf.cast(tf.reshape(y_t, tf.shape(y_p)), dtype)
+    diff = tf.reshape(diff, [tf.shape(diff)[0], -1])
+    width = tf.cast(tf.shape(diff)[1], dtype)
+    each = tf.ones_like(diff) * (tf.constant(term.weight, dtype) / width) * scale
+    if weight is not None:
+        each = each * tf.reshape(tf.cast(weight, dtype), [-1, 1])
+    return diff, each
+
+
+def residual_rows(terms, y, y_pred, sample_weight, dtype, double=None):
+    """The step residuals [B, m] (example ``i``'s row; each output's block in
+    turn) of outputs that are all squared or robust."""
+    double = squared_factor(terms) if double is None else double
+    rows = []
+    for term, (y_t, y_p, w) in zip(terms, _selected(terms, y, y_pred, sample_weight)):
+        diff, weights = _block(term, y_t, y_p, w, dtype, 1.0)
+        if term.family == "squared":
+            rows.append(diff * tf.sqrt(double * weights))
+        else:
+            flat = term.robust.scale(tf.reshape(diff, [-1]), tf.reshape(weights, [-1]))
+            rows.append(tf.reshape(flat, tf.shape(diff)))
+    return rows[0] if len(rows) == 1 else tf.concat(rows, axis=1)
+
+
+def residual_cost(terms, y, y_pred, sample_weight, dtype, double=None):
+    """The summed loss `residual_rows` linearises (robust blocks at their
+    own cost, not ``0.5 |r|^2``)."""
+    double = squared_factor(terms) if double is None else double
+    costs = []
+    for term, (y_t, y_p, w) in zip(terms, _selected(terms, y, y_pred, sample_weight)):
+        diff, weights = _block(term, y_t, y_p, w, dtype, 1.0)
+        if term.family == "squared":
+            costs.append(half_sum_sq(diff * tf.sqrt(double * weights), dtype))
+        else:
+            costs.append(term.robust.cost(tf.reshape(diff, [-1]),
+                                          tf.reshape(weights, [-1])))
+    return tf.add_n(costs)
+
+
+def output_rows(terms, y_pred, dtype):
+    """Every output with a loss as ``[B, d_k]`` side by side: ``[B, m]``."""
+    rows = [tf.cast(tf.reshape(y_p, [tf.shape(y_p)[0], -1]), dtype)
+            for y_p in y_pred]
+    return rows[0] if len(rows) == 1 else tf.concat(rows, axis=1)
+
+
+def selected_outputs(terms, y, y_pred, sample_weight):
+    """``(predictions, targets, sample weights)`` per output, as lists."""
+    picked = _selected(terms, y, y_pred, sample_weight)
+    return ([p[1] for p in picked], [p[0] for p in picked], [p[2] for p in picked])
+
+
+def ggn_terms(terms, outputs, widths, targets, weights, example_scale, dtype):
+    """`ggn.OutputTerms` of every output (``outputs`` [B, m], the blocks'
+    ``widths``): cross-entropies as GGN blocks, squared and robust outputs as
+    residual blocks (``h = s^2``, ``g = s r``), each example weighted by
+    ``w_i * example_scale`` (1 / the global batch: Keras's mean)."""
+    blocks = tf.split(outputs, widths, axis=1) if len(widths) > 1 else [outputs]
+    double = squared_factor(terms)
+    cost, g, h_diag, outer = [], [], [], []
+    for term, z, y_t, w in zip(terms, blocks, targets, weights):
+        scale = tf.cast(example_scale, dtype)
+        if term.family == "cross_entropy":
+            ew = tf.ones([tf.shape(z)[0]], dtype) if w is None else tf.cast(
+                tf.reshape(w, [-1]), dtype)
+            t = ggn_lib.cross_entropy_terms(
+                term.cross_entropy, term.from_logits, z, y_t,
+                ew * scale * term.weight, dtype)
+        else:
+            diff, each = _block(term, y_t, z, w, dtype, scale)
+            if term.family == "squared":
+                root = tf.sqrt(double * each)
+                t = ggn_lib.residual_terms(root * diff, root)
+            else:
+                flat = tf.reshape(diff, [-1])
+                f_factor, j_factor = term.robust.weights(flat)
+                root = tf.sqrt(tf.reshape(each, [-1]))
+                t = ggn_lib.residual_terms(
+                    tf.reshape(root * f_factor * flat, tf.shape(diff)),
+                    tf.reshape(root * j_factor, tf.shape(diff)),
+                    cost=term.robust.cost(flat, tf.reshape(each, [-1])))
+        cost.append(t.cost)
+        g.append(t.g)
+        h_diag.append(t.h_diag)
+        outer.append(t.h_outer)
+    padded = []
+    for k, block_outer in enumerate(outer):
+        for h in block_outer:
+            padded.append(tf.concat(
+                [tf.zeros_like(b) if j != k else h for j, b in enumerate(g)], axis=1)
+                if len(g) > 1 else h)
+    join = (lambda parts: parts[0]) if len(g) == 1 else (
+        lambda parts: tf.concat(parts, axis=1))
+    return ggn_lib.OutputTerms(tf.add_n(cost), join(g), join(h_diag), tuple(padded))
+
+
+def widths_of(y_pred):
+    """Each output's width ``d_k`` (static where known)."""
+    out = []
+    for y_p in y_pred:
+        static = y_p.shape[1:].num_elements()
+        out.append(static if static is not None
+                   else tf.reduce_prod(tf.shape(y_p)[1:]))
+    return out
+
+
+# -- single-structure helpers (a whole output structure at once) -------------
 
 def robust_loss(loss):
-    """The `RobustLoss` a compiled Huber or MAE loss is, else None."""
-    kind = ROBUST.get(loss_name(loss))
+    """The `RobustLoss` of a compiled Huber or MAE loss object or name
+    (either flavour), else None."""
+    name = loss if isinstance(loss, str) else getattr(
+        getattr(loss, "fn", loss), "__name__", type(loss).__name__)
+    kind = {"huber": "huber", "Huber": "huber", "huber_loss": "huber",
+            "mae": "absolute", "mean_absolute_error": "absolute",
+            "MeanAbsoluteError": "absolute"}.get(name)
     if kind is None:
         return None
-    return RobustLoss(kind, _delta(loss) if kind == "huber" else 1.0)
-
-
-def _delta(loss):
-    if isinstance(loss, (list, tuple)):
-        loss = loss[0]
-    if isinstance(loss, dict):
-        loss = next(iter(loss.values()))
     kwargs = protocol.loss_fn_kwargs(loss)
-    return float(kwargs.get("delta", getattr(loss, "delta", 1.0)))
-
-
-def from_logits(loss):
-    """Reads ``from_logits`` from a Keras 3 or tf_keras loss object."""
-    if isinstance(loss, (list, tuple)):
-        loss = loss[0]
-    if isinstance(loss, dict):
-        loss = next(iter(loss.values()))
-    if hasattr(loss, "from_logits"):
-        return bool(loss.from_logits)
-    return bool(protocol.loss_fn_kwargs(loss).get("from_logits", False))
-
-
-def loss_name(loss):
-    if isinstance(loss, str):
-        return loss
-    if isinstance(loss, (list, tuple)) and loss:
-        names = {loss_name(item) for item in loss}
-        return names.pop() if len(names) == 1 else None
-    if isinstance(loss, dict) and loss:
-        names = {loss_name(item) for item in loss.values()}
-        return names.pop() if len(names) == 1 else None
-    return getattr(loss, "__name__", type(loss).__name__)
+    delta = float(kwargs.get("delta", getattr(loss, "delta", 1.0)))
+    return RobustLoss(kind, delta if kind == "huber" else 1.0)
 
 
 def half_sum_sq(residuals, dtype):
@@ -73,66 +306,40 @@ def half_sum_sq(residuals, dtype):
 
 
 def mse_residuals(y_pred, y, sample_weight, dtype, loss_weights=None):
-    """Residuals with ``0.5 |r|^2 = 0.5 * batch * (the compiled MSE loss)``.
+    """Residuals with ``0.5 |r|^2 = 0.5 * batch * (the compiled MSE loss)``
+    for outputs that are one tensor, a list (``loss_weights`` a list) or a
+    dict (``loss_weights`` a dict by the same keys).
 
     Per output k of width d_k: ``sqrt(lw_k / d_k) * sqrt(w) * (y_pred - y)``,
     so sample weights and ``loss_weights`` count exactly as in Keras's loss
     (``sum_k lw_k * mean(w * (y_pred - y)^2)``), as square roots.
     """
-    errors, weights = weighted_errors(y_pred, y, sample_weight, dtype, loss_weights)
-    return errors * tf.sqrt(weights)
-
-
-def per_example(flat, y_pred):
-    """Flat residuals over every output (each output's elements in turn, as
-    `weighted_errors` lays them out) as ``[B, m]``: example ``i``'s row."""
-    preds = tf.nest.flatten(y_pred)
-    if len(preds) == 1:
-        return tf.reshape(flat, [tf.shape(preds[0])[0], -1])
-    parts = tf.split(flat, [tf.size(p) for p in preds])
-    return tf.concat([tf.reshape(part, [tf.shape(p)[0], -1])
-                      for part, p in zip(parts, preds)], axis=1)
-
-
-def weighted_errors(y_pred, y, sample_weight, dtype, loss_weights=None):
-    """Flat errors ``y_pred - y`` over every output and element, and each
-    one's weight in Keras's summed loss, ``lw_k * w / d_k``: the compiled
-    loss times the batch is ``sum(weight * loss_k(error))``."""
     preds, trues = tf.nest.flatten(y_pred), tf.nest.flatten(y)
     if len(trues) != len(preds):
         raise ValueError(
             f"LevenbergMarquardt: the model has {len(preds)} outputs but the "
             f"data has {len(trues)} targets.")
-    lw = _flat_loss_weights(y_pred, loss_weights, len(preds))
-    # Keras 3 expands sample weights to the targets' structure (one per output).
+    if loss_weights is None:
+        lw = [1.0] * len(preds)
+    elif isinstance(loss_weights, dict):
+        if not isinstance(y_pred, dict):
+            raise ValueError(
+                "mse_residuals: `loss_weights` as a dict needs outputs as a dict "
+                "by the same names (a list's names are the model's; read them "
+                "with `read_output_losses`).")
+        lw = [loss_weights.get(k, 1.0) for k in sorted(y_pred)]
+    else:
+        lw = list(loss_weights)
     sws = [None] * len(preds) if sample_weight is None else tf.nest.flatten(
         sample_weight)
     if len(sws) == 1 and len(preds) > 1:
         sws = sws * len(preds)
-    errors, weights = [], []
-    for yp, yt, weight, sample_weight in zip(preds, trues, lw, sws):
-        diff = tf.cast(yp, dtype) - tf.cast(tf.reshape(yt, tf.shape(yp)), dtype)
-        diff = tf.reshape(diff, [tf.shape(diff)[0], -1])
-        width = tf.cast(tf.shape(diff)[1], dtype)
-        each = tf.ones_like(diff) * (tf.cast(weight, dtype) / width)
-        if sample_weight is not None:
-            each = each * tf.reshape(tf.cast(sample_weight, dtype), [-1, 1])
-        errors.append(tf.reshape(diff, [-1]))
-        weights.append(tf.reshape(each, [-1]))
-    if len(errors) == 1:
-        return errors[0], weights[0]
-    return tf.concat(errors, axis=0), tf.concat(weights, axis=0)
-
-
-def _flat_loss_weights(y_pred, loss_weights, count):
-    """``loss_weights`` (None, list or dict by output name) in flatten order."""
-    if loss_weights is None:
-        return [1.0] * count
-    if isinstance(loss_weights, dict):
-        if isinstance(y_pred, dict):
-            return [loss_weights.get(k, 1.0) for k in sorted(y_pred)]
-        return list(loss_weights.values())
-    return list(loss_weights)
+    rows = []
+    for yp, yt, weight, sw in zip(preds, trues, lw, sws):
+        term = OutputTerm("", "squared", float(weight))
+        diff, each = _block(term, yt, yp, sw, dtype, 1.0)
+        rows.append(tf.reshape(diff * tf.sqrt(each), [-1]))
+    return rows[0] if len(rows) == 1 else tf.concat(rows, axis=0)
 
 
 def compiled_loss_weights(model):

@@ -164,6 +164,34 @@ class OptimizerHost(protocol.OptimizerHost):
             terms.append(cls._term(name, loss, y_t, y_p, reduction, mask, sw))
         return terms
 
+    @classmethod
+    def _output_losses(cls, model, y, y_pred):
+        """Keras 3's ``CompileLoss`` after its build (``fit`` builds it
+        before the first step): its flat losses, each with its output's path
+        and the weight Keras multiplies it by."""
+        from keras.src import tree  # noqa: PLC0415
+
+        compile_loss = getattr(model, "_compile_loss", None)
+        if compile_loss is None:
+            return None
+        if not compile_loss.built:
+            compile_loss.build(y, y_pred)
+        reductions = {"sum_over_batch_size": "mean", "mean": "mean", "sum": "sum",
+                      "mean_with_sample_weight": "weighted_mean"}
+
+        def selector(path):
+            def select(y, y_pred, sample_weight):
+                y_t, y_p = _resolve(path, y, y_pred)
+                sw = sample_weight
+                if sw is not None and tree.is_nested(sw):
+                    sw = _at(path, sw)
+                return y_t, y_p, sw
+            return select
+
+        return [protocol.OutputLoss(name, loss, weight, reductions.get(loss.reduction),
+                                    selector(path))
+                for path, loss, weight, name in compile_loss._flat_losses]
+
     @staticmethod
     def _loss_inputs(loss, y_true, y_pred):
         # Keras 3's Loss.__call__ converts both to the loss's dtype first.

@@ -66,6 +66,29 @@ class LossTerm(NamedTuple):
     unknown: Optional[str] = None
 
 
+class OutputLoss(NamedTuple):
+    """One output's compiled loss, matched to the output as the flavour's
+    Keras matches it (by name, by position or by the outputs' structure).
+
+    Attributes:
+      name: the output's name, for messages.
+      loss: the Keras ``Loss`` object the compiled loss calls.
+      weight: its ``loss_weights`` entry (a float), or None.
+      reduction: as `LossTerm.reduction` (``"mean"``, ``"sum"``,
+        ``"weighted_mean"``), or None when it is another.
+      select: ``select(y, y_pred, sample_weight) -> (y_true, y_pred,
+        sample_weight)`` of this output for a batch (the model's whole
+        output and targets in, this output's out), so that a step can run
+        the model again and find the output there.
+    """
+
+    name: str
+    loss: Any
+    weight: Any
+    reduction: Optional[str]
+    select: Any
+
+
 def traced_values(call, y_true, y_pred):
     """``(rank, masked)`` of ``call(y_true, y_pred)``'s result (a loss's
     per-element values): its rank, and whether it carries a Keras mask of
@@ -218,6 +241,55 @@ class OptimizerHost:
         """``(all, data_dependent)``: how many losses ``model`` adds to the
         compiled ones, and how many of them depend on the batch."""
         raise NotImplementedError
+
+    @classmethod
+    def _output_losses(cls, model, y, y_pred):
+        """Each compiled loss of ``model`` as an `OutputLoss`, matched to
+        ``y_pred``'s outputs as the flavour's compiled loss matches them
+        (``loss_weights`` by output name where Keras takes them by name);
+        None when no loss was compiled."""
+        raise NotImplementedError
+
+    @classmethod
+    def _given_losses(cls, model):
+        """``[(output name, Loss object)]``: the losses ``compile`` was given,
+        resolved as Keras resolves a name or function, before any batch (a
+        fit checks them there, outside any graph). The names are the
+        ``loss`` dict's keys, else ``model.output_names`` by position."""
+        loss = getattr(model, "loss", None)
+        names = list(getattr(model, "output_names", None) or [])
+        if isinstance(loss, dict):
+            pairs = list(loss.items())
+        elif isinstance(loss, (list, tuple)):
+            pairs = [(names[i] if i < len(names) else str(i), item)
+                     for i, item in enumerate(loss)]
+        elif loss is None:
+            return []
+        else:
+            pairs = [(", ".join(names) or "output", loss)]
+        resolved = []
+        for name, item in pairs:
+            if item is None:
+                continue
+            if not isinstance(item, cls.KERAS.losses.Loss):
+                try:
+                    item = cls.KERAS.losses.get(item)
+                except (ValueError, TypeError):
+                    pass
+            resolved.append((name, item))
+        return resolved
+
+    @classmethod
+    def _keras_loss_function(cls, loss):
+        """The name of the flavour's own loss function that ``loss`` is or
+        wraps (``mean_squared_error`` for ``"mse"``, ``MeanSquaredError()``
+        and the function alike), else None (a loss of the user's own, even
+        one named like Keras's)."""
+        fn = getattr(loss, "fn", loss)
+        name = getattr(fn, "__name__", None)
+        if name is None or getattr(cls.KERAS.losses, name, None) is not fn:
+            return None
+        return name
 
     # ------------------------------------------------------ after a load
     @classmethod

@@ -151,6 +151,39 @@ class OptimizerHost(protocol.OptimizerHost):
                                    losses_utils.get_mask(y_p)))
         return terms
 
+    @classmethod
+    def _output_losses(cls, model, y, y_pred):
+        """tf_keras's ``LossesContainer`` after its build: one loss and one
+        weight per flat output, matched by the container (a dict of losses
+        or weights by output name, one loss broadcast to every output)."""
+        from tf_keras.src.engine import compile_utils  # noqa: PLC0415
+        from tf_keras.src.utils import losses_utils  # noqa: PLC0415
+
+        del y
+        container = getattr(model, "compiled_loss", None)
+        if not isinstance(container, compile_utils.LossesContainer):
+            return None
+        if not container.built:
+            container.build(y_pred)
+        reductions = {losses_utils.ReductionV2.AUTO: "mean",
+                      losses_utils.ReductionV2.SUM_OVER_BATCH_SIZE: "mean",
+                      losses_utils.ReductionV2.SUM: "sum"}
+
+        def selector(index):
+            def select(y, y_pred, sample_weight):
+                conform = container._conform_to_outputs
+                y_t = tf.nest.flatten(conform(y_pred, y))[index]
+                sws = tf.nest.flatten(conform(y_pred, sample_weight))
+                return (y_t, tf.nest.flatten(y_pred)[index],
+                        sws[index] if len(sws) > index else sws[0])
+            return select
+
+        return [protocol.OutputLoss(name, loss, weight, reductions.get(loss.reduction),
+                                    selector(index))
+                for index, (loss, weight, name) in enumerate(zip(
+                    container._losses, container._loss_weights, container._output_names))
+                if loss is not None]
+
     @staticmethod
     def _divisor_weights(loss, sample_weight, mask):
         """Never asked: tf_keras has no reduction that divides by the sample

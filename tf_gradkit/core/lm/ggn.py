@@ -16,9 +16,17 @@ and with probabilities ``q`` as the output (no logits): ``g = -y / q`` and
 ``H = diag(y / q^2)`` for the categorical loss, and the per-output Bernoulli
 terms for the binary one.
 
+Several outputs, or a cross-entropy beside squared and robust outputs, are one
+sum: each output's terms in its own columns of ``z`` (`OutputTerms`), a
+residual output's ``H`` its residual weights squared and ``g`` their product
+with the residuals (`residual_terms`), so ``J^T H J`` and ``J^T g`` cover
+every output at once (`linearize_terms`).
+
 Reference: N. Schraudolph, "Fast curvature matrix-vector products for
 second-order gradient descent", Neural Computation 14(7), 2002.
 """
+
+from typing import NamedTuple, Sequence
 
 import tensorflow as tf
 
@@ -61,6 +69,68 @@ def _per_example_terms(kind, from_logits, outputs, targets, weights, eps):
     return loss * weights, w * (-targets / q), w * targets / q ** 2, None
 
 
+class OutputTerms(NamedTuple):
+    """The loss's terms in the network outputs ``z`` [B, m] (every output's
+    columns side by side): ``cost`` (a scalar), its gradient ``g`` [B, m] in
+    ``z``, and its Hessian in ``z`` per example as
+    ``diag(h_diag) - sum_k h_k h_k^T`` (``h_outer``: the ``h_k`` [B, m],
+    zero outside the columns of the output they belong to)."""
+
+    cost: tf.Tensor
+    g: tf.Tensor
+    h_diag: tf.Tensor
+    h_outer: Sequence[tf.Tensor] = ()
+
+
+def cross_entropy_terms(kind, from_logits, outputs, targets, weights, dtype):
+    """`OutputTerms` of one cross-entropy output [B, C] (weights [B])."""
+    if kind not in LOSSES:
+        raise ValueError(f"`kind` must be one of {LOSSES}. Received: {kind!r}")
+    eps = 1e-7 if dtype == tf.float32 else 1e-15
+    loss, g, h_diag, h_outer = _per_example_terms(
+        kind, from_logits, outputs, targets, tf.cast(weights, dtype), eps)
+    return OutputTerms(tf.reduce_sum(loss), g, h_diag,
+                       () if h_outer is None else (h_outer,))
+
+
+def residual_terms(values, factors, cost=None):
+    """`OutputTerms` of residuals whose value is ``values`` and whose
+    Jacobian is ``factors * dz`` (a squared or reweighted robust loss: its
+    Gauss-Newton ``J^T J`` and ``J^T r`` are a GGN with ``h = factors^2``,
+    ``g = factors * values``); ``cost`` defaults to ``0.5 |values|^2``."""
+    if cost is None:
+        cost = 0.5 * tf.reduce_sum(tf.square(values))
+    return OutputTerms(cost, factors * values, tf.square(factors))
+
+
+def linearize_terms(outputs, jac, batch, terms_fn):
+    """The GGN `Linearization` of a loss given by its terms in the outputs.
+
+    Args:
+      outputs: the flat outputs [B*m] (example-major).
+      jac: their Jacobian [B*m, P].
+      batch: ``B``.
+      terms_fn: ``terms_fn(outputs [B, m]) -> OutputTerms``.
+
+    Returns:
+      A `Linearization` with ``jtj = sum_i J_i^T H_i J_i`` and
+      ``jtr = sum_i J_i^T g_i``.
+    """
+    outputs = tf.reshape(outputs, [batch, -1])                  # [B, m]
+    jac = tf.reshape(jac, [batch, tf.shape(outputs)[1], -1])    # [B, m, P]
+    terms = terms_fn(outputs)
+    # sum over examples and outputs of J^T diag(h) J, as one [B*m, P] product
+    # (through `precision`: TF32 would round J to 10 bits here).
+    rows = tf.reshape(jac, [-1, tf.shape(jac)[-1]])
+    ggn = precision.matmul(rows, tf.reshape(terms.h_diag, [-1])[:, None] * rows,
+                           transpose_a=True)
+    for h_outer in terms.h_outer:
+        v = tf.reduce_sum(h_outer[:, :, None] * jac, axis=1)    # h^T J per example
+        ggn -= precision.gram(v)
+    grad = tf.reduce_sum(terms.g[:, :, None] * jac, axis=[0, 1])
+    return Linearization(cost=terms.cost, jtj=ggn, jtr=grad)
+
+
 def linearize_cross_entropy(output_fn, targets, weights, variables, kind,
                             from_logits, dtype, support=None,
                             outputs_and_jacobian=None):
@@ -90,22 +160,9 @@ def linearize_cross_entropy(output_fn, targets, weights, variables, kind,
     else:
         outputs, jac = lin_lib.residuals_and_jacobian(output_fn, variables, dtype,
                                                       support=support)
-    b = tf.shape(weights)[0]
-    outputs = tf.reshape(outputs, [b, -1])                      # [B, C]
-    jac = tf.reshape(jac, [b, tf.shape(outputs)[1], -1])        # [B, C, P]
-    eps = 1e-7 if dtype == tf.float32 else 1e-15
-    loss, g, h_diag, h_outer = _per_example_terms(
-        kind, from_logits, outputs, targets, tf.cast(weights, dtype), eps)
-    # sum over examples and outputs of J^T diag(h) J, as one [B*C, P] product
-    # (through `precision`: TF32 would round J to 10 bits here).
-    rows = tf.reshape(jac, [-1, tf.shape(jac)[-1]])
-    ggn = precision.matmul(rows, tf.reshape(h_diag, [-1])[:, None] * rows,
-                           transpose_a=True)
-    if h_outer is not None:
-        v = tf.reduce_sum(h_outer[:, :, None] * jac, axis=1)    # h^T J per example
-        ggn -= precision.gram(v)
-    grad = tf.reduce_sum(g[:, :, None] * jac, axis=[0, 1])
-    return Linearization(cost=tf.reduce_sum(loss), jtj=ggn, jtr=grad)
+    return linearize_terms(
+        outputs, jac, tf.shape(weights)[0],
+        lambda z: cross_entropy_terms(kind, from_logits, z, targets, weights, dtype))
 
 
 def cross_entropy_cost(outputs, targets, weights, kind, from_logits, dtype):

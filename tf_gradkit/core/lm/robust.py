@@ -72,9 +72,15 @@ class RobustLoss:
     Args:
       loss: a name in `LOSSES`.
       f_scale: positive float, ``C``.
+      first_order: step with the weight ``rho'`` alone (iteratively
+        reweighted least squares, a majoriser of the loss for ``huber``)
+        instead of scipy's ``rho' + 2 z rho''``; default: for `FIRST_ORDER`
+        losses only. Keras's Huber is stepped so (`lm_losses`): where every
+        residual is past ``C`` scipy's weight vanishes, ``J^T J`` with it, and
+        the damped step (scaled by ``diag(J^T J)``) stays too long to accept.
     """
 
-    def __init__(self, loss="linear", f_scale=1.0):
+    def __init__(self, loss="linear", f_scale=1.0, first_order=None):
         if not isinstance(loss, str) or loss not in LOSSES:
             raise ValueError(f"least_squares: `loss` must be one of {sorted(LOSSES)}. "
                              f"Received: loss={loss!r}")
@@ -83,6 +89,8 @@ class RobustLoss:
             raise ValueError("least_squares: `f_scale` must be a positive number. "
                              f"Received: f_scale={f_scale!r}")
         self.name, self.f_scale = loss, float(f_scale)
+        self.first_order = loss in FIRST_ORDER if first_order is None else bool(
+            first_order)
         self._rho = LOSSES[loss]
 
     @property
@@ -103,7 +111,7 @@ class RobustLoss:
         z = tf.square(f / c)
         eps = tf.constant(tf.experimental.numpy.finfo(f.dtype.as_numpy_dtype).eps,
                           f.dtype)
-        if self.name in FIRST_ORDER:
+        if self.first_order:
             floor = FIRST_ORDER_FLOOR * tf.reduce_mean(tf.abs(f)) / c
             z = tf.maximum(z, tf.maximum(tf.square(floor), eps))
             _, d1, _ = self._rho(z)
