@@ -109,6 +109,10 @@ EXPECT = {
     ("docs/batched_fits.md", "print(fit.perr.numpy())       # [B, P] standard errors, "
                              "sqrt(diag(covariance))"): Check(
         lambda n, t: len(n) == 6 and all(0 < e < 0.05 for e in n), "a [3, 2] array of small positive errors"),
+    ("docs/batched_fits.md", 'print(fit.status.numpy())           # [2 9 2]: fit 1 "no data"'):
+        Text("[2 9 2]"),
+    ("docs/batched_fits.md", "print(fit.undetermined.numpy())     # [ True False  True]: inf "
+                             "covariance, warned"): Text("[ True False  True]"),
     ("docs/conditional_accumulator.md", "print(value.numpy())        # [1. 2.]: the mean of the three"):
         Numbers(1, 2),
     ("docs/conditional_accumulator.md", "print(bool(acc.apply_grad([1.0, 2.0], local_step=step_seen)))"
