@@ -396,6 +396,7 @@ def covariance(r, cost, counts, absolute):
         s, _, v = tf.linalg.svd(r)
         return fit_report.covariance_from_svd(s, v, counts, cost, absolute)
 
-    if r.shape[-1] <= small.COLUMNS_MAX_PARAMS and tf.executing_eagerly():
+    if (r.shape[-1] <= small.COLUMNS_MAX_PARAMS and r.shape[-2] == r.shape[-1]
+            and tf.executing_eagerly()):   # (fewer points than parameters: R is N x P)
         return small.covariance(r, cost, counts, absolute, from_svd)
     return from_svd(r, cost, counts)
