@@ -15,6 +15,7 @@ say so (the figures in docs/batched_fits.md say where they were measured).
 
     python benchmarks/batched_fits.py                   # CPU, 1e3..1e5
     python benchmarks/batched_fits.py --device /GPU:0 --sizes 1000,100000,1000000
+    python benchmarks/batched_fits.py --cpufit /tmp/cpufit/cpufit_bench   # beside Cpufit
 """
 
 import argparse
@@ -28,6 +29,7 @@ import scipy.optimize as so
 import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tf_gradkit
 
 GPUFIT_GPU = 3_038_590   # fits/s, Gpufit on its GPU at 10^7 fits (published)
@@ -305,7 +307,22 @@ def main():
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--plot-from", default=None,
                         help="only draw --plot from rows written by --json")
+    parser.add_argument("--cpufit", default=None, metavar="PATH",
+                        help="Cpufit's driver (../shared/cpufit/build.sh): only the "
+                             "table beside Cpufit (benchmarks/cpufit_side_by_side.py)")
+    parser.add_argument("--cpufit-sides", default="5,15")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="TensorFlow intra- and inter-op threads (e.g. 1, the "
+                             "per-core figure beside single-threaded Cpufit)")
     args = parser.parse_args()
+    if args.threads:
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    if args.cpufit:
+        import cpufit_side_by_side
+        cpufit_side_by_side.main(args.cpufit, sides=tuple(
+            int(s) for s in args.cpufit_sides.split(",")), scipy_fits=args.scipy_fits)
+        return
     if args.plot_from:
         with open(args.plot_from) as f:
             plot(json.load(f), args.plot or "batched_fits.png")

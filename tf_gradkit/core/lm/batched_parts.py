@@ -25,6 +25,7 @@ from tf_gradkit.core.lm import bounds as bounds_lib
 from tf_gradkit.core.lm import damping as damping_lib
 from tf_gradkit.core.lm import fit_report
 from tf_gradkit.core.lm import robust as robust_lib
+from tf_gradkit.core.lm import small
 
 
 class BatchedLinearization(NamedTuple):
@@ -51,8 +52,16 @@ def jacobian(residual_fn, x):
     """``(residual_fn(x), J)``: ``[B, N]`` and ``[B, N, P]`` by forward mode:
     one JVP per parameter column for the whole batch at once, the P columns
     vectorised (`tf.vectorized_map`: the residuals themselves are computed
-    once, only the tangents P times)."""
+    once, only the tangents P times); for few parameters one JVP per column
+    (`small.jacobian_columns`); the user's own when ``residual_fn`` carries
+    one (its ``jacobian`` ability: ``jac=`` of `curve_fit`)."""
     p = x.shape[-1]
+    analytic = getattr(residual_fn, "jacobian", None)
+    if analytic is not None:
+        return residual_fn(x), analytic(x)
+    if small.by_columns(p):
+        residuals, columns = small.jacobian_columns(residual_fn, x)
+        return residuals, tf.stack(columns, axis=-1)
 
     def column(direction):
         tangent = tf.broadcast_to(direction, tf.shape(x))
@@ -67,8 +76,11 @@ def jacobian(residual_fn, x):
 def normal_equations(jac, residuals):
     """``(J^T J, J^T r)`` per problem from one product ``[J r]^T [J r]``, as
     `linearize.normal_equations` (float32-accurate under TF32,
-    `precision.matmul`)."""
+    `precision.matmul`); for few parameters sums of elementwise products of
+    the columns (`small.normal_equations`: no product to lower under TF32)."""
     p = jac.shape[-1]
+    if small.by_columns(p):
+        return small.normal_equations([jac[..., j] for j in range(p)], residuals)
     both = tf.concat([jac, residuals[..., None]], axis=-1)
     gram = precision.matmul(both, both, transpose_a=True)
     return gram[:, :p, :p], gram[:, :p, p]
@@ -377,6 +389,14 @@ def covariance(r, cost, counts, absolute):
     or, unless ``absolute``, ``n <= P``), ``n`` each problem's unmasked point
     count. From ``r`` [B, P, P], the triangular factor of a QR of J
     (`triangular_factor`: the same singular values and right vectors), by
-    an SVD outside XLA."""
-    s, _, v = tf.linalg.svd(r)
-    return fit_report.covariance_from_svd(s, v, counts, cost, absolute)
+    an SVD outside XLA; for few parameters the SVD runs only for the
+    problems whose full rank is not proven (`small.full_rank_inverse`)."""
+
+    def from_svd(r, cost, counts):
+        s, _, v = tf.linalg.svd(r)
+        return fit_report.covariance_from_svd(s, v, counts, cost, absolute)
+
+    if (r.shape[-1] <= small.COLUMNS_MAX_PARAMS and r.shape[-2] == r.shape[-1]
+            and tf.executing_eagerly()):   # (fewer points than parameters: R is N x P)
+        return small.covariance(r, cost, counts, absolute, from_svd)
+    return from_svd(r, cost, counts)

@@ -21,6 +21,7 @@ from tf_gradkit.core.lm import batched
 from tf_gradkit.core.lm import batched_parts
 from tf_gradkit.core.lm import damping as damping_lib
 from tf_gradkit.core.lm import fit_report
+from tf_gradkit.core.lm import small
 from tf_gradkit.core.lm import solve_cache
 from tf_gradkit.core.lm.parts import resolve_part
 from tf_gradkit.core.lm.robust import RobustLoss
@@ -92,9 +93,9 @@ BATCHED_REASONS = batched.BATCHED_REASONS
 def least_squares_batched(fun, x0, args=(), *, mask=None, bounds=None,
                           loss="linear", f_scale=1.0, x_scale=None,
                           max_iterations=100, controller="trust_region",
-                          scaling=None, solver="qr", max_attempts=10, gtol=None,
+                          scaling=None, solver="auto", max_attempts=10, gtol=None,
                           xtol=None, ftol=None, batch_size=None,
-                          full_output=False, jit_compile=True):
+                          full_output=False, jit_compile=True, jac=None):
     """Solves B independent nonlinear least-squares problems at once.
 
     Each problem ``b`` minimises ``0.5 * sum_i rho(fun(x, *args)[b, i]^2)``
@@ -115,12 +116,17 @@ def least_squares_batched(fun, x0, args=(), *, mask=None, bounds=None,
         ``[B, P]`` (per problem); ``-inf``/``inf`` for none. A start outside
         its box gives that problem status 8 (infeasible).
       loss, f_scale, x_scale, max_iterations, controller, scaling, solver,
-        max_attempts, gtol, xtol, ftol: as `least_squares` (``solver`` "qr"
-        or "cholesky"; ``controller`` a name or a damping object).
+        max_attempts, gtol, xtol, ftol: as `least_squares` (``solver`` "auto",
+        "qr" or "cholesky"; "auto", the default, is "cholesky" up to 10
+        parameters, else "qr", as `least_squares` resolves it;
+        ``controller`` a name or a damping object).
       batch_size: problems per compiled chunk (memory); default: about
         ``2**24 / (N * P)`` with a GPU, ``2**20 / (N * P)`` without.
       full_output: also return ``fun`` and ``jac`` at the solutions.
       jit_compile: compile each chunk's solve with XLA.
+      jac: optional ``jac(x, *args) -> [B, N, P]``, the residuals' Jacobian
+        (TensorFlow ops), used instead of forward-mode differentiation
+        (scipy's callable ``jac``); masked rows are zeroed here.
 
     Returns:
       A `BatchedFitResult`.
@@ -138,7 +144,7 @@ def least_squares_batched(fun, x0, args=(), *, mask=None, bounds=None,
                     for i, a in enumerate(args))
     if mask is not None:
         mask = _mask(mask, batch, None, "mask")
-    return _solve("fun", fun, x0, per_fit, (), mask, bounds,
+    return _solve("fun", (fun, jac), x0, per_fit, (), mask, bounds,
                   dict(loss=loss, f_scale=f_scale, x_scale=x_scale,
                        max_iterations=max_iterations, controller=controller,
                        scaling=scaling, solver=solver, max_attempts=max_attempts,
@@ -177,10 +183,16 @@ def curve_fit(f, xdata, ydata, p0, sigma=None, bounds=(-np.inf, np.inf),
       xdata_per_fit: True/False to say whether ``xdata`` has a batch axis.
       x_scale, max_iterations, batch_size, full_output: as
         `least_squares_batched`.
-      dtype: the solve's dtype (default: ``p0``'s when float, else float64).
+      dtype: the solve's dtype (default: numpy's promotion of the float
+        arrays among ``p0`` and ``ydata``, lists and ints not counting:
+        float32 data with a list ``p0`` solve in float32; float64 when
+        neither is a float array).
       **options: `least_squares_batched`'s other options (``solver``,
         ``controller``, ``scaling``, ``gtol``, ``xtol``, ``ftol``,
-        ``max_attempts``, ``jit_compile``).
+        ``max_attempts``, ``jit_compile``, and ``jac``: ``jac(xdata,
+        params) -> [B, N, P]``, the model's Jacobian in TensorFlow ops,
+        used instead of forward-mode differentiation; divided by ``sigma``
+        and masked here).
 
     Returns:
       A `BatchedFitResult`: ``x`` ``[B, P]``, ``cost``, ``converged``,
@@ -197,10 +209,11 @@ def curve_fit(f, xdata, ydata, p0, sigma=None, bounds=(-np.inf, np.inf),
     [[3.0, 0.5], [3.0, 1.0], [3.0, 2.0]]
     """
     unknown = set(options) - {"solver", "controller", "scaling", "gtol", "xtol",
-                              "ftol", "max_attempts", "jit_compile"}
+                              "ftol", "max_attempts", "jit_compile", "jac"}
     if unknown:
         raise TypeError(f"curve_fit: unexpected keyword arguments {sorted(unknown)}.")
     jit_compile = options.pop("jit_compile", True)
+    jac = options.pop("jac", None)
     _check_curve_inputs(xdata, ydata, p0)
     one = np.ndim(ydata) == 1
     if one:
@@ -214,6 +227,8 @@ def curve_fit(f, xdata, ydata, p0, sigma=None, bounds=(-np.inf, np.inf),
         if xdata_per_fit:
             xdata = tf.nest.map_structure(lambda a: np.asarray(a)[None], xdata)
         bounds = _single_bounds(bounds)
+    if dtype is None:
+        dtype = _data_dtype(p0, ydata)
     p0, dtype = _parameters(p0, "p0", dtype)
     batch = int(p0.shape[0])
     ydata = _batched(ydata, dtype, batch, "ydata", rank=2)
@@ -246,7 +261,7 @@ def curve_fit(f, xdata, ydata, p0, sigma=None, bounds=(-np.inf, np.inf),
     mask = mask & ~tf.math.is_inf(sigma)
     per_fit = (xdata, ydata, sigma) if xdata_per_fit else ((), ydata, sigma)
     shared = () if xdata_per_fit else (xdata,)
-    result = _solve("curve", f, p0, per_fit, shared, mask, bounds,
+    result = _solve("curve", (f, jac), p0, per_fit, shared, mask, bounds,
                     dict(loss=loss, f_scale=f_scale, x_scale=x_scale,
                          max_iterations=max_iterations, **options),
                     batch_size, full_output, jit_compile, absolute=absolute_sigma,
@@ -282,7 +297,27 @@ def _check_curve_inputs(xdata, ydata, p0):
             "which refuses empty data). Pass at least one point per fit.")
 
 
-def _curve_residuals(f, per_fit, shared, mask):
+def _with_jacobian(residual_fn, jac_fn, name):
+    """``residual_fn`` given the ``jacobian`` ability (`batched_parts.jacobian`
+    reads it) from the user's ``jac``, its shape checked at trace time."""
+    if jac_fn is None:
+        return residual_fn
+
+    def jacobian(x):
+        j = jac_fn(x)
+        want = [x.shape[0], None, x.shape[1]]
+        if j.shape.rank != 3 or j.shape[0] != want[0] or j.shape[2] != want[2]:
+            raise ValueError(f"{name}: `jac` must return [B, N, P] ([{want[0]}, N, "
+                             f"{want[2]}]), the Jacobian of the residuals. Received: "
+                             f"shape {j.shape}")
+        return tf.cast(j, x.dtype)
+
+    residual_fn.jacobian = jacobian
+    return residual_fn
+
+
+def _curve_residuals(fns, per_fit, shared, mask):
+    f, jac = fns
     xdata, ydata, sigma = per_fit
     if shared:
         xdata = shared[0]
@@ -298,11 +333,17 @@ def _curve_residuals(f, per_fit, shared, mask):
         r = (tf.cast(model, ydata.dtype) - ydata) / sigma
         return tf.where(mask, r, tf.zeros_like(r))
 
-    return residual_fn
+    def jac_fn(params):
+        j = jac(xdata, params)
+        j = tf.cast(j, ydata.dtype) / sigma[..., None] if j.shape.rank == 3 else j
+        return tf.where(mask[..., None], j, tf.zeros_like(j)) if j.shape.rank == 3 else j
+
+    return _with_jacobian(residual_fn, None if jac is None else jac_fn, "curve_fit")
 
 
-def _fun_residuals(fun, per_fit, shared, mask):
+def _fun_residuals(fns, per_fit, shared, mask):
     del shared
+    fun, jac = fns
 
     def residual_fn(x):
         r = fun(x, *per_fit)
@@ -318,7 +359,14 @@ def _fun_residuals(fun, per_fit, shared, mask):
         r = tf.cast(r, x.dtype)
         return r if mask is None else tf.where(mask, r, tf.zeros_like(r))
 
-    return residual_fn
+    def jac_fn(x):
+        j = jac(x, *per_fit)
+        if mask is None or j.shape.rank != 3:
+            return j
+        return tf.where(mask[..., None], j, tf.zeros_like(j))
+
+    return _with_jacobian(residual_fn, None if jac is None else jac_fn,
+                          "least_squares_batched")
 
 
 _RESIDUALS = {"fun": _fun_residuals, "curve": _curve_residuals}
@@ -344,10 +392,15 @@ def _compiled(kind, fn, options, key, jit_compile, full_output):
 
         return tf.function(chunk, jit_compile=jit_compile, autograph=False)
 
-    try:
-        function = solve_cache.function_key(fn)
-    except TypeError:
-        function = solve_cache.Identity(fn)
+    def identity(f):
+        if f is None:
+            return None
+        try:
+            return solve_cache.function_key(f)
+        except TypeError:
+            return solve_cache.Identity(f)
+
+    function = tuple(identity(f) for f in fn)   # (the model, its jac)
     found, _ = solve_cache.SOLVES.lookup(
         ("least_squares_batched", kind, function, key, jit_compile, full_output),
         build)
@@ -369,7 +422,7 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
     if mask is not None:
         n_points = int(mask.shape[1])
     elif batch_size is None:  # N from one problem's residuals
-        n_points = _residual_count(fn, x0, per_fit, name)
+        n_points = _residual_count(fn[0], x0, per_fit, name)
     if batch_size is None:
         budget = (CHUNK_ELEMENTS if tf.config.list_logical_devices("GPU")
                   else CHUNK_ELEMENTS_CPU)
@@ -429,6 +482,18 @@ def _residual_count(fn, x0, per_fit, name):
             f"per problem) for `x` [B, P]. Received: shape {list(shape)} for "
             f"`x` of shape {x0[:1].shape.as_list()}.")
     return int(shape[-1])
+
+
+def _data_dtype(p0, ydata):
+    """`curve_fit`'s default dtype: the float arrays' promoted dtype (float32
+    data stay float32, a speed default: half the memory traffic and twice
+    the SIMD lanes), float64 without one."""
+    found = []
+    for a in (p0, ydata):
+        dtype = getattr(a, "dtype", None)
+        if dtype is not None and tf.as_dtype(dtype) in (tf.float32, tf.float64):
+            found.append(tf.as_dtype(dtype).as_numpy_dtype)
+    return tf.as_dtype(np.result_type(*found)) if found else tf.float64
 
 
 def _pad(t, size):
@@ -548,10 +613,11 @@ def _options(opts, dtype, p, name):
     robust = RobustLoss(opts["loss"], opts["f_scale"])
     controller = resolve_part(opts.get("controller", "trust_region"),
                               damping_lib.CONTROLLERS, "controller")
-    solver_name = opts.get("solver", "qr")
+    solver_name = small.resolve_solver(opts.get("solver", "auto"), p)
     if solver_name not in batched_parts.SOLVERS:
         raise ValueError(f"{name}: `solver` must be one of "
-                         f"{sorted(batched_parts.SOLVERS)} for batched problems. "
+                         f"{sorted(batched_parts.SOLVERS) + ['auto']} for batched "
+                         "problems. "
                          f"Received: solver={solver_name!r}")
     solver = batched_parts.SOLVERS[solver_name]()
     scaling, x_scale = opts.get("scaling"), opts.get("x_scale")

@@ -18,6 +18,7 @@ from tf_gradkit.core.lm import damping as damping_lib
 from tf_gradkit.core.lm import fit_report
 from tf_gradkit.core.lm import linearize as lin_lib
 from tf_gradkit.core.lm import linear_solvers as solvers_lib
+from tf_gradkit.core.lm import small
 from tf_gradkit.core.lm import solve_cache
 from tf_gradkit.core.lm import whole_solve
 from tf_gradkit.core.lm.parts import check_parts, resolve_part
@@ -145,7 +146,9 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         ``loss="arctan"``, ``f_scale=0.1`` from 0 then ends in a worse local
         minimum, cost 0.0653 against 0.0317).
       solver: "qr" (default: precision on ill-conditioned problems),
-        "cholesky" (fast normal equations), "dual" (J J^T form, for fewer
+        "cholesky" (fast normal equations), "auto" (`curve_fit`'s default:
+        "cholesky" up to `small.AUTO_CHOLESKY_MAX_PARAMS` = 10 parameters,
+        else "qr"), "dual" (J J^T form, for fewer
         residuals than parameters), "cg" (matrix-free conjugate gradients,
         memory O(N + P); needs scaling="levenberg"), or a solver object.
       max_attempts: damped solves per iteration before giving up.
@@ -211,6 +214,8 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
             or max_iterations < 0:
         raise ValueError("least_squares: `max_iterations` must be an integer >= 0. "
                          f"Received: max_iterations={max_iterations!r}")
+    solver = small.resolve_solver(solver, sum(
+        int(np.prod(v.shape.as_list())) for v in var_list))
     controller, scaling, solver, robust = _parts(controller, scaling, solver,
                                                  x_scale, loss, f_scale)
     if geodesic_acceleration and (bounds is not None or not robust.is_linear):

@@ -1,0 +1,182 @@
+"""`curve_fit` beside Cpufit (Gpufit's single-threaded C++ twin) and scipy, one run.
+
+Used by `benchmarks/batched_fits.py --cpufit PATH`. PATH is the driver that
+`../shared/cpufit/build.sh` builds from Gpufit's own source (not part of this
+repository: fetch and build it there). The driver generates Gpufit's 2-D
+Gaussian data (5x5 and 15x15 points, float32), fits them and writes the data;
+this module fits the same arrays with:
+
+- ours, matched: Cpufit's stopping rule as near as ours goes (``ftol=1e-4``,
+  ``max_iterations=10``; Cpufit stops when chi-square changes by less than
+  ``max(1e-4, 1e-4 chi2)`` in at most 10 iterations), float32, defaults else;
+- ours, defaults: ``curve_fit(f, xy, y, p0)`` with nothing else given;
+- scipy ``least_squares`` ``lm`` and ``trf`` in a Python loop on the first
+  ``--scipy-fits`` fits (analytic Jacobian, float64, matched ``ftol``);
+
+and prints one table: fits per second and per CPU-second (this process's
+CPU, all threads; Cpufit's is single-threaded), ratios to Cpufit, converged
+share. Then the first call (compile + 10^4 fits) in a fresh process, without
+and with the persistent XLA cache (`core/xla_cache.py`), each in its own
+process with its own empty cache directory.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def load(directory):
+    with open(os.path.join(directory, "meta.json")) as f:
+        meta = json.load(f)
+    n, m = meta["n_max"], meta["n_points"]
+    data = np.fromfile(os.path.join(directory, "data.f32"), "<f4").reshape(n, m)
+    p0 = np.fromfile(os.path.join(directory, "p0.f32"), "<f4").reshape(n, 5)
+    side = meta["size_x"]
+    y, x = np.mgrid[0:side, 0:side]
+    return meta, data, p0, np.stack([x.ravel(), y.ravel()]).astype(np.float32)
+
+
+def run_cpufit(driver, side, n, directory):
+    out = subprocess.run([driver, "--size", str(side), "--n-max", str(n), "--sizes",
+                          str(n), "--repeats", "2", "--out", directory],
+                         check=True, capture_output=True, text=True).stdout
+    best = None
+    for line in out.splitlines():
+        m = re.search(r"wall ([\d.]+) s .*cpu ([\d.]+) s .*converged ([\d.]+)", line)
+        if m:
+            wall, cpu, conv = (float(v) for v in m.groups())
+            if best is None or cpu < best[1]:
+                best = (wall, cpu, conv)
+    return dict(engine="Cpufit (C++ -O3, 1 thread)", n=n, wall=best[0], cpu=best[1],
+                converged=best[2])
+
+
+def gaussian(xy, p):
+    import tensorflow as tf
+    dx = xy[0][None, :] - p[:, 1:2]
+    dy = xy[1][None, :] - p[:, 2:3]
+    return p[:, 0:1] * tf.exp(-(dx * dx + dy * dy) / (2.0 * p[:, 3:4] ** 2)) + p[:, 4:5]
+
+
+def timed(fn, repeats=2):
+    fn()   # compiles this shape
+    best = None
+    for _ in range(repeats):
+        c0, t0 = time.process_time(), time.perf_counter()
+        out = fn()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        if best is None or cpu < best[1]:
+            best = (wall, cpu, out)
+    return best
+
+
+def run_ours(directory, n, label, **options):
+    import tf_gradkit
+    _, data, p0, xy = load(directory)
+    wall, cpu, fit = timed(lambda: tf_gradkit.curve_fit(gaussian, xy, data[:n], p0[:n],
+                                                        **options))
+    return dict(engine=f"tf_gradkit {label}", n=n, wall=wall, cpu=cpu,
+                converged=float(np.mean(fit.converged.numpy())),
+                status={int(k): int(v) for k, v in
+                        zip(*np.unique(fit.status.numpy(), return_counts=True))})
+
+
+def run_scipy(directory, n, method, ftol):
+    import scipy.optimize as so
+    _, data, p0, xy = load(directory)
+    xy = xy.astype(np.float64)
+
+    def parts(p):
+        dx, dy = xy[0] - p[1], xy[1] - p[2]
+        g = np.exp(-(dx * dx + dy * dy) / (2.0 * p[3] ** 2))
+        return p[0] * g + p[4], g, dx, dy
+
+    def jac(p, y):
+        _, g, dx, dy = parts(p)
+        a, s = p[0], p[3]
+        return np.stack([g, a * g * dx / s ** 2, a * g * dy / s ** 2,
+                         a * g * (dx * dx + dy * dy) / s ** 3, np.ones_like(g)], 1)
+
+    ok = []
+    c0, t0 = time.process_time(), time.perf_counter()
+    for b in range(n):
+        r = so.least_squares(lambda p, y: parts(p)[0] - y, p0[b].astype(np.float64),
+                             jac=jac, args=(data[b].astype(np.float64),), method=method,
+                             ftol=ftol)
+        ok.append(r.status > 0)
+    return dict(engine=f"scipy {method} loop (float64)", n=n,
+                wall=time.perf_counter() - t0, cpu=time.process_time() - c0,
+                converged=float(np.mean(ok)))
+
+
+FIRST_CALL = """
+import os, sys, time
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, {root!r}); sys.path.insert(0, {here!r})
+import cpufit_side_by_side as s
+import tf_gradkit
+meta, data, p0, xy = s.load({directory!r})
+c0, t0 = time.process_time(), time.perf_counter()
+fit = tf_gradkit.curve_fit(s.gaussian, xy, data[:10000], p0[:10000])
+fit.x.numpy()
+print(time.perf_counter() - t0, time.process_time() - c0)
+"""
+
+
+def first_calls(directory):
+    """(wall, cpu) of the first call in a fresh process with an empty cache,
+    then in a second process reading what the first one wrote."""
+    out = []
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, XDG_CACHE_HOME=cache)
+        env.pop("TF_XLA_FLAGS", None)
+        env.pop("TF_GRADKIT_XLA_CACHE", None)
+        code = FIRST_CALL.format(root=os.path.dirname(HERE), here=HERE, directory=directory)
+        for _ in range(2):
+            line = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                                  capture_output=True, text=True).stdout.split()[-2:]
+            out.append(tuple(float(v) for v in line))
+    return out
+
+
+def table(rows, side, load_before, load_after):
+    cpufit = next(r for r in rows if r["engine"].startswith("Cpufit"))
+    print(f"\n### 2-D Gaussian {side}x{side}, float32 data (load average {load_before} "
+          f"-> {load_after})\n")
+    print("| engine | N | fits/s | fits/CPU-s | vs Cpufit (CPU-s) | converged | status |")
+    print("|---|---|---|---|---|---|---|")
+    base = cpufit["n"] / cpufit["cpu"]
+    for r in rows:
+        per_cpu = r["n"] / r["cpu"]
+        print(f"| {r['engine']} | {r['n']:,} | {r['n'] / r['wall']:,.0f} | {per_cpu:,.0f} | "
+              f"{per_cpu / base:.2f}x | {r['converged']:.4f} | {r.get('status', '')} |")
+
+
+def main(driver, sides=(5, 15), n=100_000, scipy_fits=500):
+    import tensorflow as tf  # noqa: F401  (after tf_gradkit's cache setup in main)
+    for side in sides:
+        with tempfile.TemporaryDirectory() as directory:
+            load_before = os.getloadavg()[0]
+            rows = [run_cpufit(driver, side, n, directory)]
+            meta, *_ = load(directory)
+            matched = dict(ftol=float(meta["tolerance"]),
+                           max_iterations=int(meta["max_n_iterations"]))
+            rows.append(run_ours(directory, n, "matched (ftol 1e-4, 10 it)", **matched))
+            rows.append(run_ours(directory, n, "defaults"))
+            for method in ("lm", "trf"):
+                rows.append(run_scipy(directory, scipy_fits, method, matched["ftol"]))
+            table(rows, side, f"{load_before:.1f}", f"{os.getloadavg()[0]:.1f}")
+            if side == sides[0]:
+                (w1, c1), (w2, c2) = first_calls(directory)
+                print(f"\nfirst call, curve_fit defaults, 10^4 {side}x{side} fits, fresh "
+                      f"process: {w1:.2f} s wall / {c1:.2f} s CPU; second process with "
+                      f"the XLA cache: {w2:.2f} s wall / {c2:.2f} s CPU (import not "
+                      "counted)")

@@ -1,0 +1,216 @@
+"""The small-problem batched engine (issue 39): the by-columns linearisation
+and the unrolled Cholesky against TensorFlow's own kernels, solver="auto"
+resolved alike by `least_squares` and the batched fits, the float32 default
+of `curve_fit`, and the persistent XLA cache's rules."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_gradkit
+from tf_gradkit.core import xla_cache
+from tf_gradkit.core.lm import batched_parts, fitting, small
+
+pytestmark = pytest.mark.keras_free
+
+
+def gaussian(xy, p):
+    dx = xy[0][None, :] - p[:, 1:2]
+    dy = xy[1][None, :] - p[:, 2:3]
+    return p[:, 0:1] * tf.exp(-(dx * dx + dy * dy) / (2.0 * p[:, 3:4] ** 2)) + p[:, 4:5]
+
+
+def spots(batch, size=5, seed=0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:size, 0:size]
+    xy = np.stack([xx.ravel(), yy.ravel()]).astype(dtype)
+    truth = np.c_[rng.uniform(50, 100, batch), rng.uniform(1.5, size - 2.5, (batch, 2)),
+                  rng.uniform(1, 2, batch), rng.uniform(0, 10, batch)].astype(dtype)
+    y = gaussian(xy, truth).numpy() + rng.normal(size=(batch, size * size)).astype(dtype)
+    p0 = (truth * rng.uniform(0.9, 1.1, truth.shape)).astype(dtype)
+    return xy, y, p0
+
+
+@pytest.mark.parametrize("p", [1, 5, 10])
+def test_columns_linearisation_matches_matrix_product(p):
+    """Under XLA (where `small.by_columns` holds) the Jacobian by columns and
+    J^T J by sums equal a GradientTape Jacobian and its matrix product (float64:
+    the sums differ in order only, so 1e-12 relative)."""
+    rng = np.random.default_rng(p)
+    x = tf.constant(rng.normal(size=(7, p)))
+    w = tf.constant(rng.normal(size=(p, 13)))
+
+    def residual_fn(x):
+        return tf.sin(x @ w) + tf.square(x[:, :1])
+
+    @tf.function(jit_compile=True, autograph=False)
+    def columns(x):
+        assert small.by_columns(p)
+        r, jac = batched_parts.jacobian(residual_fn, x)
+        return r, jac, batched_parts.normal_equations(jac, r)
+
+    r, jac, (jtj, jtr) = columns(x)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        ref_r = residual_fn(x)
+    ref_jac = tape.batch_jacobian(ref_r, x)
+    np.testing.assert_allclose(r, ref_r, rtol=1e-12)
+    np.testing.assert_allclose(jac, ref_jac, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(jtj, tf.matmul(ref_jac, ref_jac, transpose_a=True),
+                               rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(jtr, tf.einsum("bnp,bn->bp", ref_jac, ref_r),
+                               rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(jtj, tf.transpose(jtj, [0, 2, 1]))   # mirrored
+
+
+def test_unrolled_cholesky_matches_library():
+    """The unrolled solve against tf.linalg (float64, condition ~1e2: 1e-10),
+    and ``ok`` False with zeros on an indefinite system (control)."""
+    rng = np.random.default_rng(1)
+    m = rng.normal(size=(6, 8, 8))
+    a = np.einsum("bij,bkj->bik", m, m) + 3 * np.eye(8)
+    rhs = rng.normal(size=(6, 8))
+    a[5] = -a[5]
+    x, ok = batched_parts.unrolled_cholesky_solve(tf.constant(a), tf.constant(rhs))
+    np.testing.assert_array_equal(ok, [True] * 5 + [False])
+    np.testing.assert_allclose(x[:5], np.linalg.solve(a[:5], rhs[:5, :, None])[..., 0], rtol=1e-10)
+    np.testing.assert_array_equal(x[5], np.zeros(8))
+
+
+def test_auto_solver_resolves_alike():
+    """"auto" is Cholesky up to 10 parameters and QR above, in the batched
+    fits and in `least_squares` (the same steps, to the bit, as naming the
+    solver)."""
+    assert small.resolve_solver("auto", 10) == "cholesky"
+    assert small.resolve_solver("auto", 11) == "qr"
+    assert small.resolve_solver("qr", 3) == "qr"
+    t = tf.constant(np.linspace(0, 4, 30))
+    y = 3.0 * tf.exp(-0.7 * t) + 0.1 * tf.sin(7 * t)
+    results = {}
+    for solver in ("auto", "cholesky"):
+        var = tf.Variable([1.0, 1.0], dtype=tf.float64)
+        r = tf_gradkit.least_squares(lambda: var[0] * tf.exp(-var[1] * t) - y, [var],
+                                     solver=solver, jit_compile=False)
+        results[solver] = (var.numpy(), int(r.iterations))
+    np.testing.assert_array_equal(results["auto"][0], results["cholesky"][0])
+    assert results["auto"][1] == results["cholesky"][1]
+
+
+@pytest.mark.slow   # two compiles: 55 s under load on 2 shared cores
+def test_defaults_keep_float32_and_match_compiled_general_path():
+    """float32 data with a list p0 solve in float32 by default; a float64
+    ``p0`` array promotes to float64 (numpy's rule). The default (compiled,
+    small-P columns, auto solver) fits end where the uncompiled general
+    path (matrix product, library Cholesky) ends: same status, parameters to
+    1e-6 relative (float64, tolerances 1e-10, above round-off)."""
+    xy, y, p0 = spots(8)
+    fit = tf_gradkit.curve_fit(gaussian, xy, y, p0.tolist(), max_iterations=1,
+                               jit_compile=False)
+    assert fit.x.dtype == tf.float32
+    assert fitting._data_dtype(p0.astype(np.float64), y) == tf.float64
+    assert fitting._data_dtype([1.0], [2.0]) == tf.float64
+    xy, y, p0 = spots(8, dtype=np.float64)
+    tol = dict(ftol=1e-10, xtol=1e-10, gtol=1e-10)
+    fast = tf_gradkit.curve_fit(gaussian, xy, y, p0, **tol)
+    slow = tf_gradkit.curve_fit(gaussian, xy, y, p0, jit_compile=False, **tol)
+    assert bool(np.all(fast.converged.numpy()))
+    np.testing.assert_array_equal(fast.status, slow.status)
+    np.testing.assert_allclose(fast.x, slow.x, rtol=1e-6)
+
+
+class _Context:
+    def __init__(self, started):
+        self._context_handle = object() if started else None
+
+
+@pytest.mark.parametrize("environ, started, expect", [
+    ({}, False, "default"),
+    ({"TF_XLA_FLAGS": "--tf_xla_auto_jit=2"}, False, "appended"),
+    ({"TF_GRADKIT_XLA_CACHE": "0"}, False, None),
+    ({"TF_GRADKIT_XLA_CACHE": "/some/dir"}, False, "/some/dir"),
+    ({"TF_XLA_FLAGS": "--tf_xla_persistent_cache_directory="}, False, None),
+    ({}, True, None),
+])
+def test_xla_cache_rules(monkeypatch, environ, started, expect):
+    """The flag is added only where it can apply and the user chose nothing."""
+    monkeypatch.setattr(xla_cache._context, "context_safe", lambda: _Context(started))
+    env = dict(environ)
+    got = xla_cache.configure(env)
+    if expect is None:
+        assert got is None and env == environ
+    elif expect == "appended":
+        assert env["TF_XLA_FLAGS"] == (f"--tf_xla_auto_jit=2 {xla_cache.FLAG}="
+                                       f"{xla_cache.default_directory()}")
+    else:
+        directory = xla_cache.default_directory() if expect == "default" else expect
+        assert got == directory and env["TF_XLA_FLAGS"] == f"{xla_cache.FLAG}={directory}"
+
+
+def gaussian_jac(xy, p):
+    """The model's analytic Jacobian [B, N, 5] (as Gpufit's GAUSS_2D)."""
+    dx = xy[0][None, :] - p[:, 1:2]
+    dy = xy[1][None, :] - p[:, 2:3]
+    s2 = p[:, 3:4] ** 2
+    g = tf.exp(-(dx * dx + dy * dy) / (2.0 * s2))
+    a = p[:, 0:1]
+    return tf.stack([g, a * g * dx / s2, a * g * dy / s2,
+                     a * g * (dx * dx + dy * dy) / (s2 * p[:, 3:4]), tf.ones_like(g)], -1)
+
+
+def test_analytic_jac_matches_autodiff():
+    """``jac=`` (scipy's callable jac): the same fits as forward mode (float64,
+    tolerances 1e-10 above round-off: same status, x to 1e-8), through sigma
+    and mask; control: a jac with a zero column leaves that parameter at its
+    start, so the user's jac is what the solve used; a wrong shape is refused
+    naming `jac`."""
+    xy, y, p0 = spots(6, dtype=np.float64)
+    sigma = np.full(y.shape, 2.0)
+    mask = np.ones(y.shape, bool)
+    mask[0, :3] = False
+    tol = dict(ftol=1e-10, xtol=1e-10, gtol=1e-10, jit_compile=False, sigma=sigma,
+               mask=mask)
+    auto = tf_gradkit.curve_fit(gaussian, xy, y, p0, **tol)
+    given = tf_gradkit.curve_fit(gaussian, xy, y, p0, jac=gaussian_jac, **tol)
+    np.testing.assert_array_equal(given.status, auto.status)
+    np.testing.assert_allclose(given.x, auto.x, rtol=1e-8)
+    np.testing.assert_allclose(given.covariance, auto.covariance, rtol=1e-6)
+
+    def frozen_offset(xy, p):
+        return gaussian_jac(xy, p) * tf.constant([1.0, 1, 1, 1, 0], tf.float64)
+
+    with pytest.warns(UserWarning, match="covariance"):   # a zero column: rank-deficient
+        control = tf_gradkit.curve_fit(gaussian, xy, y, p0, jac=frozen_offset, **tol)
+    np.testing.assert_array_equal(control.x[:, 4], p0[:, 4])
+    assert not np.allclose(auto.x[:, 4], p0[:, 4])
+    with pytest.raises(ValueError, match="`jac` must return"):
+        tf_gradkit.least_squares_batched(
+            lambda x: gaussian(xy, x) - y, p0, jac=lambda x: gaussian_jac(xy, x)[:, :, :4],
+            jit_compile=False)
+
+
+def test_small_covariance_matches_svd_path():
+    """The covariance's full-rank inverse (P <= 10, proven full rank) against
+    the SVD pseudo-inverse (float64; condition of R below ~1e9 on these rows,
+    so 1e-6 of the largest entry is far above round-off); a rank-deficient
+    R (a zero pivot) still goes through the SVD and gets the shared rule's
+    inf covariance (`fit_report.covariance_from_svd`)."""
+    rng = np.random.default_rng(3)
+    r = np.triu(rng.normal(size=(50, 5, 5))) + 3 * np.eye(5)
+    r[4, 4, 4] = 1e-9
+    r[5, 2, 2] = 0.0
+    r = tf.constant(r)
+    cost, counts = tf.ones([50], tf.float64), tf.fill([50], tf.constant(25.0, tf.float64))
+    fast = batched_parts.covariance(r, cost, counts, False).numpy()
+    original = small.COLUMNS_MAX_PARAMS
+    try:
+        small.COLUMNS_MAX_PARAMS = 0     # the SVD path for every row
+        svd = batched_parts.covariance(r, cost, counts, False).numpy()
+    finally:
+        small.COLUMNS_MAX_PARAMS = original
+    full = np.delete(np.arange(50), 5)
+    scale = np.max(np.abs(svd[full]), axis=(1, 2), keepdims=True)
+    np.testing.assert_allclose(fast[full] / scale, svd[full] / scale, atol=1e-6)
+    # the rank-deficient one: the shared rule's all-inf covariance, via the SVD
+    assert np.all(np.isinf(fast[5])) and np.all(np.isinf(svd[5]))
+    _, exact = small.full_rank_inverse(r, 2.2e-16 * counts)
+    assert not bool(exact[5]) and bool(np.all(np.delete(exact.numpy(), 5)))

@@ -1,0 +1,141 @@
+"""The batched linearisation for few parameters: elementwise ops over the batch.
+
+Why: with P parameters per fit and B fits, `batched_parts` used to form the
+Jacobian with one vectorised JVP (`tf.vectorized_map`) and ``J^T J`` with a
+batched matrix product of ``[B, N, P + 1]`` matrices. Under XLA on a CPU that
+product is a loop of tiny GEMM calls: on Gpufit's 5x5 Gaussian (P = 5, N = 25)
+it cost 580 ns per fit of the 700 ns of a linearisation
+(benchmarks/batched_fits.py --parts). For small P this module does the same
+algebra as P(P+1)/2 + P sums of elementwise products of the Jacobian's columns
+(``[B, N]`` each), which XLA fuses and vectorises across the fits, and forms
+the columns by one forward-mode JVP per parameter (the residuals come out of
+the first one). `batched_parts.jacobian` and `batched_parts.normal_equations`
+pick this path from the static parameter count (`COLUMNS_MAX_PARAMS`) under
+XLA; the result is the same linearisation up to the order of the sums
+(round-off). Outside XLA the matrix product runs, the same graph code as
+`least_squares`'s, so an uncompiled batch takes a single solve's steps to the
+bit (tests/test_batched_least_squares.py), as for `spd.solve`.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gradkit.core import spd
+from tf_gradkit.core.lm import fit_report
+
+# Up to this many parameters the Jacobian is formed by columns and J^T J by
+# elementwise sums (P(P+1)/2 + P of them: 65 at P = 10). Above, the batched
+# matrix product does fewer passes over the Jacobian.
+COLUMNS_MAX_PARAMS = 10
+
+
+def by_columns(p):
+    """Whether a linearisation of ``p`` parameters (static) traced here runs
+    by columns: few parameters, under XLA."""
+    return p is not None and p <= COLUMNS_MAX_PARAMS and spd._in_xla()
+
+
+def jacobian_columns(residual_fn, x):
+    """``(residual_fn(x) [B, N], [column_j [B, N] for j < P])``: one JVP per
+    parameter, each seeded with that parameter's unit vector for every fit;
+    the residuals are the first JVP's primal output."""
+    p = x.shape[-1]
+    columns, residuals = [], None
+    for j in range(p):
+        tangent = tf.one_hot(tf.fill(tf.shape(x)[:1], j), p, dtype=x.dtype)
+        with tf.autodiff.ForwardAccumulator(x, tangent) as acc:
+            r = residual_fn(x)
+        if residuals is None:
+            residuals = r
+        columns.append(acc.jvp(r, unconnected_gradients=tf.UnconnectedGradients.ZERO))
+    return residuals, columns
+
+
+def normal_equations(columns, residuals):
+    """``(J^T J [B, P, P], J^T r [B, P])`` from the columns ``[B, N]`` of J:
+    each entry one elementwise product summed over the points, the upper
+    triangle computed and mirrored (symmetric to the bit)."""
+    p = len(columns)
+    dot = {}
+    for i in range(p):
+        for j in range(i, p):
+            dot[i, j] = tf.reduce_sum(columns[i] * columns[j], axis=-1)
+    jtj = tf.stack([tf.stack([dot[min(i, j), max(i, j)] for j in range(p)], axis=-1)
+                    for i in range(p)], axis=-2)
+    jtr = tf.stack([tf.reduce_sum(c * residuals, axis=-1) for c in columns], axis=-1)
+    return jtj, jtr
+
+
+# solver="auto" (`curve_fit`'s and `least_squares_batched`'s default, and
+# accepted by `least_squares`, where it resolves the same way, so a batch and
+# its single solves take the same steps): the Cholesky solve of the normal
+# equations up to this many parameters, where its P^3 / 6 elementwise
+# operations cost less than forming them and a QR of the N x P Jacobian costs
+# several times more (2.28 s against 0.14 s for 1,000 2-D Gaussian fits,
+# issue 39); the QR solve above, and for any size where precision matters
+# more than speed (the normal equations square J's condition number: pass
+# solver="qr").
+AUTO_CHOLESKY_MAX_PARAMS = COLUMNS_MAX_PARAMS
+
+
+def resolve_solver(solver, p):
+    """``solver`` with "auto" resolved for ``p`` parameters (static)."""
+    if isinstance(solver, str) and solver == "auto":
+        return "cholesky" if p <= AUTO_CHOLESKY_MAX_PARAMS else "qr"
+    return solver
+
+
+def triangular_inverse(r):
+    """``R^-1`` of upper-triangular ``r`` [B, P, P] by back substitution
+    unrolled over the columns (elementwise ops on [B] vectors), as a list of
+    rows of [B] vectors (zeros below the diagonal)."""
+    p = r.shape[-1]
+    entry = [[r[:, i, j] for j in range(p)] for i in range(p)]
+    zero = tf.zeros_like(entry[0][0])
+    inv = [[zero] * p for _ in range(p)]
+    for j in range(p):
+        inv[j][j] = 1.0 / entry[j][j]
+        for i in range(j - 1, -1, -1):
+            t = zero
+            for k in range(i + 1, j + 1):
+                t = t + entry[i][k] * inv[k][j]
+            inv[i][j] = -t / entry[i][i]
+    return inv
+
+
+
+def full_rank_inverse(r, threshold):
+    """``(R^-1 [B, P, P], exact [B])`` of upper-triangular ``r``; ``exact``
+    where ``R`` provably keeps every singular value above ``threshold`` [B]
+    times the largest (``1 / |R^-1|_F <= s_min`` and ``s_max <= |R|_F``):
+    there the pseudo-inverse of ``R^T R`` that drops the smaller ones is
+    ``R^-1 R^-T``."""
+    p = r.shape[-1]
+    inv = triangular_inverse(r)
+    inv_norm2 = tf.add_n([inv[i][j] * inv[i][j] for i in range(p) for j in range(i, p)])
+    r_norm2 = tf.reduce_sum(tf.square(r), axis=[-2, -1])
+    exact = (tf.math.is_finite(inv_norm2) & tf.math.is_finite(r_norm2)
+             & (inv_norm2 > 0) & (threshold * threshold * inv_norm2 * r_norm2 < 1.0))
+    return tf.stack([tf.stack(row, axis=-1) for row in inv], axis=-2), exact
+
+
+def covariance(r, cost, counts, absolute, from_svd):
+    """`batched_parts.covariance` for few parameters, eagerly: where full
+    rank is proven, `fit_report.covariance_from_svd` with unit singular
+    values and ``V = R^-1`` (``V V^T = (R^T R)^-1``: the same ``pcov``, its
+    scaling and its ``inf`` rules from the shared function);
+    ``from_svd(r, cost, counts)`` (an SVD) for the other problems only. The
+    batched SVD of 5x5 matrices cost 2.3 us per fit on a CPU core, as much
+    as the whole solve."""
+    dtype = r.dtype
+    eps = float(np.finfo(dtype.as_numpy_dtype).eps)
+    p = r.shape[-1]
+    counts = tf.cast(counts, dtype)
+    inv, exact = full_rank_inverse(r, eps * tf.maximum(counts, float(p)))
+    fast = fit_report.covariance_from_svd(tf.ones_like(r[..., 0]), inv, counts, cost,
+                                          absolute)
+    if bool(tf.reduce_all(exact)):
+        return fast
+    rest = tf.where(~exact)[:, 0]
+    slow = from_svd(tf.gather(r, rest), tf.gather(cost, rest), tf.gather(counts, rest))
+    return tf.tensor_scatter_nd_update(fast, rest[:, None], slow)
