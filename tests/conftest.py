@@ -10,6 +10,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+# The suite's processes run side by side and would share one persistent XLA
+# cache directory (core/xla_cache.py): each test compiles its own programs.
+# tests/test_small_fits.py tests the cache in processes of its own.
+os.environ.setdefault("TF_GRADKIT_XLA_CACHE", "0")
+
 from tf_gradkit import _flavour
 
 # Two logical CPUs, so MirroredStrategy tests run on this 2-core machine; and,

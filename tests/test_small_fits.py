@@ -3,6 +3,10 @@ and the unrolled Cholesky against TensorFlow's own kernels, solver="auto"
 resolved alike by `least_squares` and the batched fits, the float32 default
 of `curve_fit`, and the persistent XLA cache's rules."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -134,16 +138,40 @@ class _Context:
 def test_xla_cache_rules(monkeypatch, environ, started, expect):
     """The flag is added only where it can apply and the user chose nothing."""
     monkeypatch.setattr(xla_cache._context, "context_safe", lambda: _Context(started))
-    env = dict(environ)
-    got = xla_cache.configure(env)
+    env, seen = dict(environ), []
+    got = xla_cache.configure(env, read_flags=lambda: seen.append(env.get("TF_XLA_FLAGS")))
+    assert env == environ                      # the environment is left as it was
     if expect is None:
-        assert got is None and env == environ
+        assert got is None and seen == []
     elif expect == "appended":
-        assert env["TF_XLA_FLAGS"] == (f"--tf_xla_auto_jit=2 {xla_cache.FLAG}="
-                                       f"{xla_cache.default_directory()}")
+        assert seen == [f"--tf_xla_auto_jit=2 {xla_cache.FLAG}={xla_cache.default_directory()}"]
     else:
         directory = xla_cache.default_directory() if expect == "default" else expect
-        assert got == directory and env["TF_XLA_FLAGS"] == f"{xla_cache.FLAG}={directory}"
+        assert got == directory and seen == [f"{xla_cache.FLAG}={directory}"]
+
+
+def test_xla_cache_fills_in_a_fresh_process_and_leaves_the_environment(tmp_path):
+    """In a new process, ``import tf_gradkit`` alone makes a compiled fit
+    write its program to the cache directory, and TF_XLA_FLAGS is what it was
+    (children of the process inherit nothing of it)."""
+    script = (
+        "import os, numpy as np, tf_gradkit\n"
+        "fit = tf_gradkit.curve_fit(lambda t, p: p[:, :1] * t, np.arange(4.0), "
+        "np.ones([2, 4]), np.ones([2, 1]))\n"
+        "print(repr(os.environ.get('TF_XLA_FLAGS')), bool(np.all(fit.converged.numpy())))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TF_XLA_FLAGS"}
+    env["TF_GRADKIT_XLA_CACHE"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["None", "True"], out.stdout
+    assert any(name.endswith(".pb") for name in os.listdir(tmp_path)), os.listdir(tmp_path)
+    # The control: opted out, the default directory (under XDG_CACHE_HOME) stays empty.
+    env["TF_GRADKIT_XLA_CACHE"], env["XDG_CACHE_HOME"] = "0", str(tmp_path / "home")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.split()[-2:] == ["None", "True"], out.stderr[-2000:]
+    assert not (tmp_path / "home").exists()
 
 
 def gaussian_jac(xy, p):

@@ -22,11 +22,20 @@ tf_gradkit is imported (this module's import), and only adds the flag when:
 
 The default directory is ``$XDG_CACHE_HOME/tf_gradkit/xla-<TF version>``
 (``~/.cache/...`` without it): programs of another TensorFlow are not read.
+
+The environment is left as it was (STYLE.md 2: no environment variable set on
+import, since child processes would inherit it, as they inherit tfmot's
+``TF_USE_LEGACY_KERAS``). TensorFlow parses all its XLA flags together, once,
+at the first read of any of them; `configure` puts the flag into
+``TF_XLA_FLAGS``, makes TensorFlow read its flags then (one flag getter), and
+puts ``TF_XLA_FLAGS`` back (tests/test_small_fits.py checks both in a fresh
+process: the cache directory fills and ``TF_XLA_FLAGS`` is unchanged).
 """
 
 import os
 
 import tensorflow as tf
+from tensorflow.python import pywrap_tfe as _pywrap_tfe
 from tensorflow.python.eager import context as _context
 
 FLAG = "--tf_xla_persistent_cache_directory"
@@ -39,9 +48,15 @@ def default_directory():
     return os.path.join(base, "tf_gradkit", f"xla-{tf.__version__}")
 
 
-def configure(environ=None):
-    """Adds the cache flag to ``TF_XLA_FLAGS`` where the rules above allow;
-    returns the directory set, or None."""
+def _read_flags_now():
+    # Any XLA flag getter parses every flag of TF_XLA_FLAGS (once per process).
+    _pywrap_tfe.TF_GetXlaConstantFoldingDisabled()
+
+
+def configure(environ=None, read_flags=_read_flags_now):
+    """Has TensorFlow read the cache flag where the rules above allow, leaving
+    ``environ`` (``os.environ`` by default) as it was; returns the directory,
+    or None."""
     environ = os.environ if environ is None else environ
     choice = environ.get(ENV, "")
     if choice == "0":
@@ -52,7 +67,15 @@ def configure(environ=None):
     if _context.context_safe() is not None and _context.context_safe()._context_handle:
         return None
     directory = choice or default_directory()
+    before = environ.get("TF_XLA_FLAGS")
     environ["TF_XLA_FLAGS"] = f"{flags} {FLAG}={directory}".strip()
+    try:
+        read_flags()
+    finally:
+        if before is None:
+            del environ["TF_XLA_FLAGS"]
+        else:
+            environ["TF_XLA_FLAGS"] = before
     return directory
 
 
