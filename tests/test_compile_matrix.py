@@ -75,11 +75,15 @@ OPTIMIZERS = ["accumulate", "projected", "lagrangian", "frank-wolfe", "lm",
 
 @pytest.fixture(scope="module", autouse=True)
 def _float64(K):
-    """Keras's floatx float64 for this module only (layers, optimizer
-    variables and learning rates), restored after it."""
-    was = K.backend.floatx()
+    """Keras's floatx and global dtype policy float64 for this module only
+    (layers, optimizer variables and learning rates), restored after it. The
+    policy too: once a test has set one (mixed precision tests restore theirs
+    with set_global_policy), layers follow the policy, not floatx."""
+    was, policy = K.backend.floatx(), K.mixed_precision.global_policy()
     K.backend.set_floatx("float64")
+    K.mixed_precision.set_global_policy("float64")
     yield
+    K.mixed_precision.set_global_policy(policy)
     K.backend.set_floatx(was)
 
 
