@@ -180,7 +180,8 @@ def _huber(delta):
 # Every number Keras is given is exact in float32 (loss weights, class
 # weights, Huber deltas: 0.125, not 0.1): tf_keras makes a float32 tensor of
 # a Python float before casting it (``tf.cast(0.1, float64)`` is
-# 0.10000000149), and so does LevenbergMarquardt with loss weights (reported).
+# 0.10000000149). (LevenbergMarquardt keeps loss weights in the model's dtype:
+# test_lm_outputs checks 0.2 to 1e-8 relative.)
 # name -> Cell. The option axis; every optimizer crosses every entry.
 OPTIONS = {
     "defaults": Cell(),
@@ -205,10 +206,7 @@ OPTIONS = {
     "loss_weights_list": Cell(outputs="list", losses=(("mse",),) * 2,
                               loss_arg=["mse", "mse"], loss_weights=(0.25, 3.0), lw_arg=[0.25, 3.0],
                               control="loss_weights"),
-    # By name, in the other order than the outputs: o1 weighs 0.25. (Weights
-    # exact in float32: LevenbergMarquardt's fit rounds loss weights to
-    # float32, 0.2 moving a float64 fit by 5e-7; reported, not this cell's
-    # subject.)
+    # By name, in the other order than the outputs: o1 weighs 0.25.
     "loss_weights_dict_by_name": Cell(
         outputs="list", losses=(("mse",),) * 2, loss_arg=["mse", "mse"], loss_weights=(0.25, 3.0),
         lw_arg={"o2": 3.0, "o1": 0.25}, control="loss_weights_in_dict_order"),

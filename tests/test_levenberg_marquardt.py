@@ -390,13 +390,20 @@ def test_multi_output_residuals_match_the_compiled_loss(K, gk):
     y = {"a": rng.randn(10, 1).astype("float32"), "b": rng.randn(10, 2).astype("float32")}
     sw = rng.rand(10).astype("float32")
     pred = model(x)
-    r = lm_losses.mse_residuals(pred, y, sw, tf.float64,
-                                  lm_losses.compiled_loss_weights(model))
+    # What fit's step runs: each output's term read from the compiled loss,
+    # then its residual rows.
+    terms = lm_losses.read_output_losses(model.optimizer, model, y, pred)
+    r = lm_losses.residual_rows(terms, y, pred, sw, tf.float64)
     pa, pb = pred["a"].numpy(), pred["b"].numpy()
-    keras_loss = (2.0 * np.mean(sw * np.mean((pa - y["a"]) ** 2, 1))
-                  + 0.5 * np.mean(sw * np.mean((pb - y["b"]) ** 2, 1)))
-    assert 0.5 * float(tf.reduce_sum(r ** 2)) == pytest.approx(0.5 * 10 * keras_loss,
-                                                               rel=1e-5)
+
+    def by_hand(wa, wb):
+        return (wa * np.mean(sw * np.mean((pa - y["a"]) ** 2, 1))
+                + wb * np.mean(sw * np.mean((pb - y["b"]) ** 2, 1)))
+
+    # float32 data and predictions: 1e-5 relative.
+    got = 0.5 * float(tf.reduce_sum(r ** 2))
+    assert got == pytest.approx(0.5 * 10 * by_hand(2.0, 0.5), rel=1e-5)
+    assert got != pytest.approx(0.5 * 10 * by_hand(0.5, 2.0), rel=1e-3)  # control
     history = model.fit(x, y, sample_weight=sw, batch_size=10, epochs=3, verbose=0)
     assert history.history["loss"][-1] < history.history["loss"][0]
 
@@ -601,9 +608,15 @@ def test_subclassed_unbuilt_model_with_steps_per_execution(K, gk):
 
 def test_targets_not_matching_outputs_raise(K, gk):
     from tf_gradkit._algorithms import lm_losses  # noqa: PLC0415
-    preds = {"a": tf.zeros([4, 1]), "b": tf.zeros([4, 2])}
-    with pytest.raises(ValueError, match="2 outputs but the data has 1 targets"):
-        lm_losses.mse_residuals(preds, tf.zeros([4, 1]), None, tf.float32)
+    inputs = K.Input((3,))
+    two = K.Model(inputs, [K.layers.Dense(1, name="a")(inputs),
+                           K.layers.Dense(2, name="b")(inputs)])
+    two.compile(optimizer=gk.LevenbergMarquardt(two), loss=["mse", "mse"])
+    preds = two(np.zeros((4, 3), "float32"))
+    terms = lm_losses.read_output_losses(two.optimizer, two,
+                                         [tf.zeros([4, 1]), tf.zeros([4, 2])], preds)
+    with pytest.raises(ValueError, match="2 outputs with a loss but the data has 1 targets"):
+        lm_losses.residual_rows(terms, tf.zeros([4, 1]), preds, None, tf.float32)
     model = mlp(K)
     model.compile(optimizer=gk.LevenbergMarquardt(model), loss="mse")
     x, _ = regression_data(n=8)
@@ -752,12 +765,16 @@ def test_robust_losses_train_through_fit(K, gk, loss, mode):
         assert losses[-1] < 0.85 * losses[0], losses  # measured 0.78 (Huber)
 
 
-def test_huber_delta_is_read_from_the_loss(K):
+def test_huber_delta_is_read_from_the_loss(K, gk):
+    # `classify` is what fit's step reads each compiled loss with (a name
+    # as compile resolves it).
     from tf_gradkit._algorithms import lm_losses  # noqa: PLC0415
-    assert lm_losses.robust_loss(K.losses.Huber(0.25)).f_scale == 0.25
-    assert lm_losses.robust_loss("huber").f_scale == 1.0
-    assert lm_losses.robust_loss("mae").name == "absolute"
-    assert lm_losses.robust_loss("mse") is None
+    host = gk.LevenbergMarquardt(mlp(K))
+    read = lambda loss: lm_losses.classify(host, "o", K.losses.get(loss))  # noqa: E731
+    assert read(K.losses.Huber(0.25)).robust.f_scale == 0.25
+    assert read("huber").robust.f_scale == 1.0
+    assert read("mae").robust.name == "absolute"
+    assert read("mse").family == "squared" and read("mse").robust is None
 
 
 # -- residuals of your own under fit ---------------------------------------------

@@ -119,7 +119,11 @@ def test_loss_weights_dict_is_applied_by_output_name(K, gk, mode, as_dict):
         fit(twin, x, y, 2)
         return weights_of(twin)
 
-    # Same sums in another order: float64 round-off only.
+    # Same sums in another order: float64 round-off only. (0.2 is not exact
+    # in float32: a weight rounded to float32 moves these weights by ~2e-7
+    # relative, so this also checks that LM keeps loss weights in the
+    # model's dtype. Keras's own compiled loss is float32 throughout, its
+    # rounding larger than the weight's; LM minimises the same sum exactly.)
     for got, want in zip(weights_of(model), oracle([0.2, 3.0])):
         np.testing.assert_allclose(got, want, rtol=1e-8, atol=1e-10)
     # Control: the weights in the dict's order (o1 weighed 3.0) step elsewhere.
@@ -316,3 +320,83 @@ def test_label_smoothing_is_refused_naming_its_output(K, gk):
                        ["mse", K.losses.BinaryCrossentropy(label_smoothing=0.1)])
     with pytest.raises(ValueError, match=r"output 'o2'.*label_smoothing"):
         fit(model, x, [y1, (y2 > 0).astype(F64)], 1)
+
+
+# -- per-output sample weights, targets by name, replicas ---------------------
+
+def _started(K, gk, mode, start=None, widths=(1, 2), **kwargs):
+    model = compile_lm(K, gk, two_outputs(K, widths=widths), mode, ["mse", "mse"],
+                       loss_weights={"o2": 3.0, "o1": 0.2}, **kwargs)
+    for v, w in zip(model.trainable_variables, start or []):
+        v.assign(w)
+    return model
+
+
+def test_chunks_take_per_output_sample_weights_output_by_output(K, gk, mode):
+    # chunk_size sums J^T J chunk by chunk: with one sample weight array per
+    # output each chunk takes its rows of each array (they were stacked
+    # into one [2, B] tensor and gathered by example: an error on CPU,
+    # zeros from out-of-range indices on a GPU).
+    x, y1, y2 = data()
+    rng = np.random.RandomState(2)
+    sw = [rng.uniform(0.2, 2.0, len(x)), rng.uniform(0.2, 2.0, len(x))]
+    whole = _started(K, gk, mode)
+    start = weights_of(whole)
+    fit(whole, x, [y1, y2], 2, sample_weight=sw)
+
+    def chunked(weights, mode=mode):
+        model = _started(K, gk, mode, start, chunk_size=5)  # 5, 5, 5, 1 rows
+        fit(model, x, [y1, y2], 2, sample_weight=weights)
+        return weights_of(model)
+
+    # The same sums in chunks: float64 round-off only.
+    for got, want in zip(chunked(sw), weights_of(whole)):
+        np.testing.assert_allclose(got, want, rtol=1e-8, atol=1e-10)
+    # Control (eager, as a reference): each output weighed by the other's
+    # sample weights.
+    wrong = chunked(sw[::-1], "eager")
+    assert not all(np.allclose(g, w, rtol=1e-3) for g, w in zip(wrong, weights_of(whole)))
+
+
+def test_targets_as_a_dict_by_output_name_for_list_outputs(K, gk, mode):
+    # Plain fit reads a dict of targets by output name for a model whose
+    # outputs are a list; LM must read it so too (Keras 3 refused it).
+    x, y1, y2 = data()
+    y2b = y2[:, ::-1] * 2.0
+    as_list = _started(K, gk, mode, widths=(2, 2))
+    start = weights_of(as_list)
+    fit(as_list, x, [y2, y2b], 2)
+
+    def by_name(targets, mode=mode):
+        model = _started(K, gk, mode, start, widths=(2, 2))
+        fit(model, x, targets, 2)
+        return weights_of(model)
+
+    # The dict in the other order than the outputs: read by name, it is the
+    # same computation as the list, to the bit.
+    for got, want in zip(by_name({"o2": y2b, "o1": y2}), weights_of(as_list)):
+        np.testing.assert_array_equal(got, want)
+    # Control (eager, as a reference): the targets swapped between the
+    # outputs step elsewhere.
+    wrong = by_name({"o2": y2, "o1": y2b}, "eager")
+    assert not all(np.allclose(g, w, rtol=1e-3) for g, w in zip(wrong, weights_of(as_list)))
+
+
+@pytest.mark.distributed
+def test_mirrored_two_outputs_with_loss_weights_by_name_equal_one_device(K, gk, mirrored):
+    # J^T J and J^T r of both outputs are summed over two replicas (8
+    # examples each): the steps are one device's, up to the order of the
+    # float64 sums (a well-conditioned 17-parameter system: 1e-8 relative
+    # leaves orders of magnitude above the round-off).
+    x, y1, y2 = data()
+    ref = _started(K, gk, "function")
+    start = weights_of(ref)
+    with mirrored.scope():
+        model = _started(K, gk, "function", start)
+    ref_hist = fit(ref, x, [y1, y2], 2)
+    hist = fit(model, x, [y1, y2], 2)
+    for got, want in zip(weights_of(model), weights_of(ref)):
+        np.testing.assert_allclose(got, want, rtol=1e-8, atol=1e-10)
+    # Keras reports its loss in float32: 1e-6 relative.
+    np.testing.assert_allclose(hist, ref_hist, rtol=1e-6)
+    assert not np.allclose(weights_of(ref)[0], start[0], rtol=1e-3)  # steps were taken

@@ -294,8 +294,11 @@ class FitStep:
             take = lambda t: tf.gather(t, idx)  # noqa: E731
             xb = tf.nest.map_structure(take, x)
             yb = tf.nest.map_structure(take, y)
-            wb = valid if sample_weight is None else valid * tf.cast(
-                take(sample_weight), dtype)
+            # Per-output sample weights (a list or dict) are taken output
+            # by output: each is [B], never stacked into one tensor.
+            wb = valid if sample_weight is None else tf.nest.map_structure(
+                lambda w: valid if w is None else valid * tf.cast(take(w), dtype),
+                sample_weight)
             return xb, yb, wb
 
         return lin_lib.linearize_chunked(

@@ -166,12 +166,12 @@ def squared_factor(terms):
 
 
 def _selected(terms, y, y_pred, sample_weight):
-    picked = [t.select(y, y_pred, sample_weight) for t in terms]
+    # Counted before selecting, so that too few targets are named as such.
     if len(terms) > 1 and len(tf.nest.flatten(y)) < len(terms):
         raise ValueError(
             f"LevenbergMarquardt: the model has {len(terms)} outputs with a loss "
             f"but the data has {len(tf.nest.flatten(y))} targets.")
-    return picked
+    return [t.select(y, y_pred, sample_weight) for t in terms]
 
 
 def _block(term, y_t, y_p, weight, dtype, scale):
@@ -283,66 +283,6 @@ def widths_of(y_pred):
     return out
 
 
-# -- single-structure helpers (a whole output structure at once) -------------
-
-def robust_loss(loss):
-    """The `RobustLoss` of a compiled Huber or MAE loss object or name
-    (either flavour), else None."""
-    name = loss if isinstance(loss, str) else getattr(
-        getattr(loss, "fn", loss), "__name__", type(loss).__name__)
-    kind = {"huber": "huber", "Huber": "huber", "huber_loss": "huber",
-            "mae": "absolute", "mean_absolute_error": "absolute",
-            "MeanAbsoluteError": "absolute"}.get(name)
-    if kind is None:
-        return None
-    kwargs = protocol.loss_fn_kwargs(loss)
-    delta = float(kwargs.get("delta", getattr(loss, "delta", 1.0)))
-    return RobustLoss(kind, delta if kind == "huber" else 1.0)
-
-
 def half_sum_sq(residuals, dtype):
     r = tf.cast(tf.reshape(residuals, [-1]), dtype)
     return 0.5 * tf.reduce_sum(tf.square(r))
-
-
-def mse_residuals(y_pred, y, sample_weight, dtype, loss_weights=None):
-    """Residuals with ``0.5 |r|^2 = 0.5 * batch * (the compiled MSE loss)``
-    for outputs that are one tensor, a list (``loss_weights`` a list) or a
-    dict (``loss_weights`` a dict by the same keys).
-
-    Per output k of width d_k: ``sqrt(lw_k / d_k) * sqrt(w) * (y_pred - y)``,
-    so sample weights and ``loss_weights`` count exactly as in Keras's loss
-    (``sum_k lw_k * mean(w * (y_pred - y)^2)``), as square roots.
-    """
-    preds, trues = tf.nest.flatten(y_pred), tf.nest.flatten(y)
-    if len(trues) != len(preds):
-        raise ValueError(
-            f"LevenbergMarquardt: the model has {len(preds)} outputs but the "
-            f"data has {len(trues)} targets.")
-    if loss_weights is None:
-        lw = [1.0] * len(preds)
-    elif isinstance(loss_weights, dict):
-        if not isinstance(y_pred, dict):
-            raise ValueError(
-                "mse_residuals: `loss_weights` as a dict needs outputs as a dict "
-                "by the same names (a list's names are the model's; read them "
-                "with `read_output_losses`).")
-        lw = [loss_weights.get(k, 1.0) for k in sorted(y_pred)]
-    else:
-        lw = list(loss_weights)
-    sws = [None] * len(preds) if sample_weight is None else tf.nest.flatten(
-        sample_weight)
-    if len(sws) == 1 and len(preds) > 1:
-        sws = sws * len(preds)
-    rows = []
-    for yp, yt, weight, sw in zip(preds, trues, lw, sws):
-        term = OutputTerm("", "squared", float(weight))
-        diff, each = _block(term, yt, yp, sw, dtype, 1.0)
-        rows.append(tf.reshape(diff * tf.sqrt(each), [-1]))
-    return rows[0] if len(rows) == 1 else tf.concat(rows, axis=0)
-
-
-def compiled_loss_weights(model):
-    """The ``loss_weights`` given to ``compile`` (both flavours keep them in
-    ``_compile_config``); None when not given."""
-    return protocol.compiled_loss_weights(model)

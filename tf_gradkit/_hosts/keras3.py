@@ -149,6 +149,7 @@ class OptimizerHost(protocol.OptimizerHost):
         if not flat:
             return [protocol.LossTerm("loss", None, unknown="no loss was compiled")]
         terms = []
+        y = _by_output_name(model._compile_loss.output_names, y, y_pred)
         for path, loss, _, name in flat:
             try:
                 y_t, y_p = _resolve(path, y, y_pred)
@@ -174,14 +175,15 @@ class OptimizerHost(protocol.OptimizerHost):
         compile_loss = getattr(model, "_compile_loss", None)
         if compile_loss is None:
             return None
+        names = compile_loss.output_names
         if not compile_loss.built:
-            compile_loss.build(y, y_pred)
+            compile_loss.build(_by_output_name(names, y, y_pred), y_pred)
         reductions = {"sum_over_batch_size": "mean", "mean": "mean", "sum": "sum",
                       "mean_with_sample_weight": "weighted_mean"}
 
         def selector(path):
             def select(y, y_pred, sample_weight):
-                y_t, y_p = _resolve(path, y, y_pred)
+                y_t, y_p = _resolve(path, _by_output_name(names, y, y_pred), y_pred)
                 sw = sample_weight
                 if sw is not None and tree.is_nested(sw):
                     sw = _at(path, sw)
@@ -273,6 +275,16 @@ def _at(path, structure):
     for key in path:
         structure = structure[key]
     return structure
+
+
+def _by_output_name(output_names, y, y_pred):
+    """``y`` as Keras 3's ``CompileLoss.call`` reads it for a list of
+    outputs: targets given as a dict by output name become a list in the
+    outputs' order (plain ``fit`` accepts them so)."""
+    if (isinstance(y_pred, (list, tuple)) and isinstance(y, dict) and output_names
+            and set(output_names) == set(y)):
+        return [y[name] for name in output_names]
+    return y
 
 
 def _resolve(path, y, y_pred):

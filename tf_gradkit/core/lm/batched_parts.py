@@ -111,7 +111,7 @@ class BatchedRobustLoss:
         z = tf.square(f / c)
         eps = tf.constant(tf.experimental.numpy.finfo(f.dtype.as_numpy_dtype).eps,
                           f.dtype)
-        if self.loss.name in robust_lib.FIRST_ORDER:
+        if self.loss.first_order:  # the part's own flag, as `RobustLoss.weights`
             mean = tf.reduce_sum(tf.abs(f), axis=-1) / self.counts
             floor = robust_lib.FIRST_ORDER_FLOOR * mean / c
             z = tf.maximum(z, tf.maximum(tf.square(floor), eps)[:, None])
