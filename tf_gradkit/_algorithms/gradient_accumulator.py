@@ -127,7 +127,11 @@ class GradientAccumulator(Wrapper):
         A 16-bit sum would round at every micro-batch, where one big batch
         rounds once. The window's gradient is divided in that dtype (under
         MirroredStrategy summed over replicas in it too), then handed on in
-        the variable's. Under
+        the variable's; a window whose gradient does not fit that dtype (a
+        float16 overflow) is treated as non-finite (``nonfinite``).
+        ``"float16"``/``"bfloat16"`` keep 16-bit variables' sums in their own
+        dtype, as versions before this argument did: their checkpoints hold
+        16-bit sums, which float32 sums refuse to restore. Under
         ``mixed_float16``/``mixed_bfloat16`` policies the variables are
         float32 already.
       name: optional name.
