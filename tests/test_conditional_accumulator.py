@@ -363,3 +363,21 @@ def test_sixteen_bit_take_that_does_not_fit_returns_inf_as_a_nonfinite_mean(mode
     assert ready and value.dtype == np.float16
     expected = [np.inf, 2.0] if reduction == "SUM" else [4e4, 1.0]
     np.testing.assert_array_equal(value.astype("float32"), expected)
+
+
+def test_sixteen_bit_accumulator_dtype_restores_old_checkpoints(tmp_path):
+    # A checkpoint of a bfloat16 accumulator saved before accumulator_dtype
+    # holds a bfloat16 sum: the default float32 sum refuses it by dtype, and
+    # accumulator_dtype="bfloat16" restores it.
+    old = ConditionalAccumulator(tf.bfloat16, [1], accumulator_dtype="bfloat16")
+    assert old.apply_grad(tf.constant([3.0], tf.bfloat16), 0)
+    path = tf.train.Checkpoint(acc=old).save(str(tmp_path / "c"))
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="expected dtype float does not equal original dtype bfloat16"):
+        tf.train.Checkpoint(acc=ConditionalAccumulator(tf.bfloat16, [1])).restore(path)
+    resumed = ConditionalAccumulator(tf.bfloat16, [1], accumulator_dtype="bfloat16")
+    tf.train.Checkpoint(acc=resumed).restore(path).assert_existing_objects_matched()
+    assert resumed.apply_grad(tf.constant([1.0], tf.bfloat16), 0)
+    value, ready = resumed.take_grad(2)
+    assert bool(ready)
+    np.testing.assert_array_equal(value.numpy().astype("float32"), [2.0])  # (3 + 1) / 2
