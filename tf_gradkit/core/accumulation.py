@@ -143,7 +143,7 @@ def init_accumulation(params, make_variable: Callable, make_scalar: Callable,
         ``reference`` (the adapter decides placement and replica
         synchronisation; ``per_replica`` sums replicas on read).
       make_scalar: ``make_scalar(dtype, name, per_replica) -> variable``.
-      accumulator_dtype: None, "float32" or "float64": the sums' dtype
+      accumulator_dtype: one of `ACCUMULATOR_DTYPES`: the sums' dtype
         (`sum_dtype`; None: float32 for 16-bit variables, the variable's
         dtype otherwise).
 
