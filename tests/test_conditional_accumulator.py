@@ -338,6 +338,46 @@ def test_accumulator_dtype_is_checked_and_never_narrower():
     assert ConditionalAccumulator(tf.float16, [1], accumulator_dtype="float64")._sum.dtype \
         == tf.float64
     with pytest.raises(ValueError, match=r"ConditionalAccumulator: `accumulator_dtype` must "
-                       r"be one of \(None, 'float32', 'float64'\).*Received: "
-                       r"accumulator_dtype='bfloat16'"):
-        ConditionalAccumulator(tf.float32, [1], accumulator_dtype="bfloat16")
+                       r"be one of \(None, 'float32', 'float64', 'float16', 'bfloat16'\)"
+                       r".*Received: accumulator_dtype='int32'"):
+        ConditionalAccumulator(tf.float32, [1], accumulator_dtype="int32")
+    # A 16-bit value keeps a 16-bit accumulator's sum in its own dtype (as
+    # before accumulator_dtype existed: old checkpoints), and widens others.
+    assert ConditionalAccumulator(tf.bfloat16, [1], accumulator_dtype="bfloat16")._sum.dtype \
+        == tf.bfloat16
+    assert ConditionalAccumulator(tf.float32, [1], accumulator_dtype="float16")._sum.dtype \
+        == tf.float32
+
+
+@pytest.mark.parametrize("reduction", ["SUM", "MEAN"])
+def test_sixteen_bit_take_that_does_not_fit_returns_inf_as_a_nonfinite_mean(mode, reduction):
+    # The float32 sum of two float16 gradients of 4e4 holds 8e4, which
+    # float16 does not: "SUM" hands on Inf, as it hands on any non-finite
+    # value (and as TF1's float16 sum overflows), never a finite wrong
+    # value; the "MEAN", 4e4, fits (control).
+    acc = ConditionalAccumulator(tf.float16, [2], reduction=reduction)
+    apply, take = _ops(acc, mode)
+    for _ in range(2):
+        assert apply(tf.constant([4e4, 1.0], tf.float16))
+    value, ready = take(2)
+    assert ready and value.dtype == np.float16
+    expected = [np.inf, 2.0] if reduction == "SUM" else [4e4, 1.0]
+    np.testing.assert_array_equal(value.astype("float32"), expected)
+
+
+def test_sixteen_bit_accumulator_dtype_restores_old_checkpoints(tmp_path):
+    # A checkpoint of a bfloat16 accumulator saved before accumulator_dtype
+    # holds a bfloat16 sum: the default float32 sum refuses it by dtype, and
+    # accumulator_dtype="bfloat16" restores it.
+    old = ConditionalAccumulator(tf.bfloat16, [1], accumulator_dtype="bfloat16")
+    assert old.apply_grad(tf.constant([3.0], tf.bfloat16), 0)
+    path = tf.train.Checkpoint(acc=old).save(str(tmp_path / "c"))
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="expected dtype float does not equal original dtype bfloat16"):
+        tf.train.Checkpoint(acc=ConditionalAccumulator(tf.bfloat16, [1])).restore(path)
+    resumed = ConditionalAccumulator(tf.bfloat16, [1], accumulator_dtype="bfloat16")
+    tf.train.Checkpoint(acc=resumed).restore(path).assert_existing_objects_matched()
+    assert resumed.apply_grad(tf.constant([1.0], tf.bfloat16), 0)
+    value, ready = resumed.take_grad(2)
+    assert bool(ready)
+    np.testing.assert_array_equal(value.numpy().astype("float32"), [2.0])  # (3 + 1) / 2

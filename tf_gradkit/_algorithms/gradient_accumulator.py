@@ -127,7 +127,11 @@ class GradientAccumulator(Wrapper):
         A 16-bit sum would round at every micro-batch, where one big batch
         rounds once. The window's gradient is divided in that dtype (under
         MirroredStrategy summed over replicas in it too), then handed on in
-        the variable's. Under
+        the variable's; a window whose gradient does not fit that dtype (a
+        float16 overflow) is treated as non-finite (``nonfinite``).
+        ``"float16"``/``"bfloat16"`` keep 16-bit variables' sums in their own
+        dtype, as versions before this argument did: their checkpoints hold
+        16-bit sums, which float32 sums refuse to restore. Under
         ``mixed_float16``/``mixed_bfloat16`` policies the variables are
         float32 already.
       name: optional name.
@@ -389,7 +393,8 @@ class GradientAccumulator(Wrapper):
                 steps=self.steps,
                 apply_window=lambda total: self._apply_window(total, has_grad),
                 skip_window=lambda total: self._skip_window(total, has_grad),
-                count_dropped=self._dropped.assign_add)
+                count_dropped=self._dropped.assign_add,
+                gradients_finite=self._gradients_finite)
             self._micro_steps.assign_add(tf.cast(accept, tf.int64))
 
         # Under a parameter-server strategy the whole micro-step holds the
@@ -501,14 +506,31 @@ class GradientAccumulator(Wrapper):
             "per set of variables that train together (after freezing or unfreezing "
             "layers, compile with a new GradientAccumulator).")
 
-    def _apply_window(self, total_weight, has_grad):
+    def _window_gradients(self, total_weight):
+        """``(sums, grads)``: this replica's share of the window's sums and the
+        gradients it hands on (in the variables' dtypes)."""
         replicas = (1 if getattr(self, "_input_aggregated", False)
                     else tf.distribute.get_strategy().num_replicas_in_sync)
         dtypes = [v.dtype for v in self._built_variables()]
         sums = distributed_window.widened_sums_on_one_replica(
             accumulation.window_sums(self._state), dtypes)
-        grads = accumulation.window_gradients(sums, self.reduction, total_weight, replicas,
-                                              dtypes=dtypes)
+        return sums, accumulation.window_gradients(sums, self.reduction, total_weight,
+                                                   replicas, dtypes=dtypes)
+
+    def _gradients_finite(self, total_weight):
+        """Whether the gradients this replica would hand on are finite where
+        a wider sum was narrowed to its variable's dtype (a finite float32
+        sum may not fit float16): tested where the window closes, before
+        anything is written; the window is skipped otherwise. Sums kept in
+        their variable's dtype are covered by the window's own test, and cost
+        nothing more here."""
+        if all(acc.dtype == v.dtype for acc, v in
+               zip(self._state.acc_grads, self._built_variables())):
+            return tf.constant(True)
+        return accumulation.narrowed_finite(*self._window_gradients(total_weight))
+
+    def _apply_window(self, total_weight, has_grad):
+        _, grads = self._window_gradients(total_weight)
         pairs = [(g, v) for g, v, h in zip(grads, self._built_variables(), has_grad)
                  if h]
         # Each replica hands on its share: the inner optimizer's one sum over
@@ -561,7 +583,8 @@ class GradientAccumulator(Wrapper):
             steps=self.steps, force=True,
             apply_window=lambda total: self._apply_window(total, has_grad),
             skip_window=lambda total: self._skip_window(total, has_grad),
-            count_dropped=None), journal=self._journal)
+            count_dropped=None, gradients_finite=self._gradients_finite),
+            journal=self._journal)
 
     def _run_in_replicas(self, fn):
         """Runs ``fn`` once per replica, from wherever the caller stands.

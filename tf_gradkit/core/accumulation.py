@@ -37,6 +37,9 @@ would have overflowed long before). 16-bit sums are added up in float32.
 
 Sums are kept in float32 for 16-bit variables by default (`sum_dtype`): the
 gradient handed on at the window's close is cast back to the variable's dtype.
+A finite float32 sum can narrow to an Inf (a float16 window of two -4e4
+gradients summed), so such gradients are tested again after the cast
+(`narrowed_finite`), where the window closes.
 
 Dense sums need no marks. A variable's first use fixes its *kind* (decided at
 trace time and kept on the state): ``"rows"`` when its first gradient is
@@ -63,7 +66,7 @@ from typing import Callable, List, NamedTuple, Optional
 import tensorflow as tf
 
 REDUCTIONS = ("example", "microbatch", "sum")
-ACCUMULATOR_DTYPES = (None, "float32", "float64")
+ACCUMULATOR_DTYPES = (None, "float32", "float64", "float16", "bfloat16")
 
 
 def check_accumulator_dtype(value, owner):
@@ -77,7 +80,9 @@ def check_accumulator_dtype(value, owner):
     if not isinstance(name, str) or name not in ACCUMULATOR_DTYPES:
         raise ValueError(
             f"{owner}: `accumulator_dtype` must be one of {ACCUMULATOR_DTYPES} (None: "
-            "float32 for 16-bit variables, the variable's dtype otherwise). "
+            "float32 for 16-bit variables, the variable's dtype otherwise; a 16-bit "
+            "value keeps 16-bit variables' sums in their own dtype, as before "
+            "accumulator_dtype existed, to restore checkpoints saved then). "
             f"Received: accumulator_dtype={value!r}")
     return name
 
@@ -92,6 +97,10 @@ def sum_dtype(variable_dtype, accumulator_dtype=None):
     by default (``accumulator_dtype=None``; optax ``MultiSteps`` does the
     same); a requested dtype narrower than the variable's is widened to it
     (a sum never holds less than the variable); anything else keeps its own.
+    So ``"float16"`` or ``"bfloat16"`` keeps a 16-bit variable's sum in the
+    variable's own dtype (what versions before ``accumulator_dtype`` did:
+    their mid-window checkpoints hold 16-bit sums, which a float32 sum
+    variable refuses to restore) and widens any other to the variable's.
     """
     dtype = tf.as_dtype(variable_dtype)
     if not dtype.is_floating:
@@ -134,7 +143,7 @@ def init_accumulation(params, make_variable: Callable, make_scalar: Callable,
         ``reference`` (the adapter decides placement and replica
         synchronisation; ``per_replica`` sums replicas on read).
       make_scalar: ``make_scalar(dtype, name, per_replica) -> variable``.
-      accumulator_dtype: None, "float32" or "float64": the sums' dtype
+      accumulator_dtype: one of `ACCUMULATOR_DTYPES`: the sums' dtype
         (`sum_dtype`; None: float32 for 16-bit variables, the variable's
         dtype otherwise).
 
@@ -330,6 +339,17 @@ def window_gradients(sums, reduction, total_weight, num_replicas=1, dtypes=None)
             s = tf.cast(s, dtypes[index])
         out.append(s)
     return out
+
+
+def narrowed_finite(sums, grads):
+    """True when every gradient of ``grads`` (`window_gradients`) that was
+    narrowed from a wider sum of ``sums`` holds no NaN or Inf. A float32 sum
+    that is finite can still overflow the variable's 16-bit dtype when cast
+    (or when divided by a window weight below 1); the window's own test
+    (`window_finite`) reads the sums, so these are tested after the cast.
+    Sums handed on in their own dtype are not tested again."""
+    checks = [_finite_sum(g) for s, g in zip(sums, grads) if g.dtype != s.dtype]
+    return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
 
 
 def start_next_window(state: AccumulationState, closing):

@@ -105,8 +105,12 @@ class ConditionalAccumulator(tf.Module):
       accumulator_dtype: the dtype of the sum: None (default) float32 for
         16-bit ``dtype`` (each add to a bfloat16 sum would round; TF1 sums in
         ``dtype``), ``dtype`` otherwise; ``"float32"`` or ``"float64"`` (never
-        narrower than ``dtype``). `take_grad` divides in it and returns
-        ``dtype``.
+        narrower than ``dtype``); ``"float16"``/``"bfloat16"`` keep a 16-bit
+        ``dtype``'s sum in ``dtype`` (as before this argument: checkpoints
+        saved then hold 16-bit sums, which a float32 sum refuses to restore).
+        `take_grad` divides in it and returns ``dtype``: a value that does not
+        fit ``dtype`` (a float16 ``"SUM"`` past 65504) comes back as Inf, as
+        any non-finite value does (and as TF1's 16-bit sum overflows).
 
     Raises:
       TypeError: ``dtype`` is not a floating dtype.

@@ -41,7 +41,8 @@ def _num_replicas():
 
 
 def micro_step(state, grads, *, weight, accept, steps, force=False,
-               apply_window, skip_window, count_dropped, count=None):
+               apply_window, skip_window, count_dropped, count=None,
+               gradients_finite=None):
     """Accumulates ``grads`` (if ``accept``) and applies the window when full.
 
     Must be called in replica context (or with no strategy).
@@ -62,7 +63,17 @@ def micro_step(state, grads, *, weight, accept, steps, force=False,
       skip_window: ``skip_window(total_weight)``, run per replica, for a window
         holding a NaN or Inf (records it; the window is dropped either way).
       count_dropped: ``count_dropped(n)`` adds ``n`` (int64) dropped gradients.
+      gradients_finite: optional ``gradients_finite(total_weight)``, run per
+        replica where the window closes: False when the gradient this replica
+        would hand on holds a NaN or Inf although its sums do not (a float32
+        sum narrowed to a 16-bit variable's dtype). The window is then skipped
+        on every replica, as for a non-finite sum.
     """
+    def bad_gradients(total_weight):
+        if gradients_finite is None:
+            return tf.constant(0.0)
+        return tf.cast(tf.logical_not(gradients_finite(total_weight)), tf.float32)
+
     if weight is not None:
         accumulation.accumulate(state, grads, weight, accept, count)
         if accept is not True:
@@ -80,8 +91,13 @@ def micro_step(state, grads, *, weight, accept, steps, force=False,
             # step enters; one more conditional then keeps the window open,
             # applies it or skips it (not nested: a nested one slowed the
             # closing step under XLA; docs/gradient_accumulation.md).
+            def closing_finite():
+                return tf.logical_and(
+                    accumulation.window_finite(state),
+                    tf.equal(bad_gradients(state.weight.read_value()), 0.0))
+
             finite = tf.switch_case(tf.cast(ready, tf.int32), [
-                lambda: tf.constant(True), lambda: accumulation.window_finite(state)])
+                lambda: tf.constant(True), closing_finite])
             index = tf.where(ready, tf.where(finite, 1, 2), 0)
             tf.switch_case(index, [lambda: tf.constant(0),
                                    *_apply_and_skip(state.weight.read_value(), apply_window,
@@ -89,8 +105,12 @@ def micro_step(state, grads, *, weight, accept, steps, force=False,
         else:
             def close():
                 # Over replicas, and only when the window closes.
-                total_weight, nonfinite = tf.distribute.get_replica_context().all_reduce(
+                context = tf.distribute.get_replica_context()
+                total_weight, nonfinite = context.all_reduce(
                     tf.distribute.ReduceOp.SUM, [state.weight.read_value(), _nonfinite(state)])
+                if gradients_finite is not None:  # needs the window's total weight
+                    nonfinite += context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                                    bad_gradients(total_weight))
                 _apply_or_skip(total_weight, nonfinite, apply_window, skip_window, run)
                 return tf.constant(1)
 
@@ -105,12 +125,14 @@ def micro_step(state, grads, *, weight, accept, steps, force=False,
             def close():
                 # Read here: sync-on-read sums over replicas, and only when the
                 # window closes, so an open micro-step does no cross-replica work.
+                total_weight = state.weight.read_value()
                 nonfinite = distribution.reduce(
                     tf.distribute.ReduceOp.SUM,
-                    distribution.extended.call_for_each_replica(_nonfinite, args=(state,)),
+                    distribution.extended.call_for_each_replica(
+                        lambda total: _nonfinite(state) + bad_gradients(total),
+                        args=(total_weight,)),
                     axis=None)
-                _apply_or_skip(state.weight.read_value(), nonfinite, apply_window,
-                               skip_window, run)
+                _apply_or_skip(total_weight, nonfinite, apply_window, skip_window, run)
                 return tf.constant(1)
 
             tf.cond(ready, close, lambda: tf.constant(0))
