@@ -15,7 +15,9 @@ about one backward pass. This is what DP-SGD needs to clip
 
 A layer gets its kind's rule only where the rule is provably right for it
 (the kind's class or a subclass changing only its construction, inside
-Sequential/functional models only, with variables no other layer holds);
+Sequential/functional models only, with variables no other layer holds, in
+a model running no code of its own: no Lambda, op layer, custom layer or
+Keras 3 raw op, any of which may read a variable through a closure);
 other layers of those kinds get their per-example gradients exactly (a
 vectorised Jacobian of the per-example losses, ``B x`` their parameters),
 with a warning naming them, or are refused (``fallback="refuse"``).
@@ -101,8 +103,11 @@ def per_example_gradient_norms(model, loss_fn, x, y, sample_weight=None,
     ``__init__``/``get_config`` (a subclass overriding ``call`` feeds the
     matmul something else than the tap records); every model it sits in is a
     Sequential or functional model (a ``call`` of a model's own could reorder
-    or merge the examples' rows); and no other layer holds its variables
-    (tied weights: the rule would miss the other use). Other layers of
+    or merge the examples' rows); no other layer holds its variables
+    (tied weights: the rule would miss the other use); and the model runs no
+    code of its own (a Lambda, a tf_keras op layer, a custom layer, a kind's
+    subclass overriding ``call`` or a Keras 3 raw op between layers may read
+    any variable through a closure: then every layer falls back). Other layers of
     those kinds get their per-example gradients exactly (``fallback="exact"``,
     a vectorised Jacobian of the per-example losses, memory ``B x`` their
     parameters, with a warning naming them) or are refused
@@ -133,7 +138,8 @@ def per_example_gradient_norms(model, loss_fn, x, y, sample_weight=None,
 
     Raises:
       ValueError: trainable variables that no rule covers (naming their
-        layers and why), e.g. a BatchNormalization with ``training=True``;
+        layers and why), e.g. a BatchNormalization with ``training=True``
+        (given here or to its call in a functional model);
         a ragged or sparse input to a layer other than an Embedding.
 
     Warns:
