@@ -245,24 +245,34 @@ def _unprovable_models(K):
 
     rng = np.random.default_rng(5)
     x = tf.constant(rng.normal(size=(4, 3)), f64)
+    # A layer's own code may read any variable (here it does not): no rule
+    # is provably right for any layer then.
     out = {"scaled_dense": (K.Sequential([K.Input((3,), dtype=f64),
                                           ScaledDense(4, activation="tanh", name="s", dtype=f64),
                                           Named(2, name="n", dtype=f64)]),
-                            x, {"s": "exact", "n": "ghost"})}
+                            x, {"s": "exact", "n": "exact"})}
     out["conv_and_norm"] = (
         K.Sequential([K.Input((5, 2), dtype=f64),
                       SquaredKernelConv(3, 2, name="c", dtype=f64),
                       ShiftedNorm(name="ln", dtype=f64), L.Flatten(),
                       L.Dense(2, name="d", dtype=f64)]),
         tf.constant(rng.normal(size=(4, 5, 2)), f64),
-        {"c": "exact", "ln": "exact", "d": "ghost"})
+        {"c": "exact", "ln": "exact", "d": "exact"})
     inp = K.Input((3,), dtype="int32")
     embedding = L.Embedding(5, 2, name="e", dtype=f64)
     pooled = L.Lambda(lambda t: tf.reduce_sum(t, 1), dtype=f64)(embedding(inp))
     out["tied"] = (K.Model(inp, TiedOutput(embedding, name="t", dtype=f64)(
         L.Dense(2, name="d", dtype=f64)(pooled))),
         tf.constant(rng.integers(0, 5, size=(4, 3)), "int32"),
-        {"e": "exact", "d": "ghost"})
+        {"e": "exact", "d": "exact"})
+    ids = tf.constant(rng.integers(0, 5, size=(4, 3)), "int32")
+    out["lambda_tied"] = (_lambda_tied(K)[0], ids, {"e": "exact", "d": "exact"})
+    if hasattr(K, "ops"):  # Keras 3: a raw op on a KerasTensor, no layer
+        inp = K.Input((3,), dtype=f64)
+        dense = L.Dense(4, activation="tanh", name="d", dtype=f64)
+        logits = K.ops.matmul(dense(inp), K.ops.transpose(dense.kernel))
+        out["raw_op"] = (K.Model(inp, L.Dense(2, name="o", dtype=f64)(logits)), x,
+                         {"d": "exact", "o": "exact"})
     model = TwoLayers()
     model(x)
     out["subclassed_model"] = (model, x, {model.first.name: "exact",
@@ -270,14 +280,32 @@ def _unprovable_models(K):
     return out
 
 
+def _lambda_tied(K, stop=False):
+    """An Embedding tied to the output through a Lambda's closure (no layer
+    tracks the table twice), and the same model whose output ignores the
+    table's gradient (``stop``): what a ghost rule alone would see."""
+    L, f64 = K.layers, "float64"
+    K.utils.set_random_seed(3)
+    inp = K.Input((3,), dtype="int32")
+    emb = L.Embedding(5, 2, name="e", dtype=f64)
+    pooled = L.Lambda(lambda t: tf.reduce_sum(t, 1), dtype=f64)(emb(inp))
+    hidden = L.Dense(2, activation="tanh", name="d", dtype=f64)(pooled)
+    table = (lambda: tf.stop_gradient(emb.embeddings)) if stop else (lambda: emb.embeddings)
+    out = L.Lambda(lambda h: tf.matmul(h, table(), transpose_b=True), dtype=f64)(hidden)
+    return K.Model(inp, out), emb
+
+
 @pytest.mark.parametrize("case", ["scaled_dense", "conv_and_norm", "tied",
-                                  "subclassed_model"])
+                                  "subclassed_model", "lambda_tied", "raw_op"])
 def test_layers_not_provably_their_kind_fall_back_exactly(K, case, mode):
     """Issue 41: a ghost rule only where it is provably right; elsewhere the
     exact per-example gradients, with a warning naming the layer (float64:
     exact to round-off, 1e-9)."""
     from tf_gradkit.gradients.per_example import per_example_norm_plan  # noqa: PLC0415
-    model, x, expected = _unprovable_models(K)[case]
+    cases = _unprovable_models(K)
+    if case not in cases:
+        pytest.skip("raw ops on KerasTensors are Keras 3's (tf_keras makes them layers)")
+    model, x, expected = cases[case]
     plan = per_example_norm_plan(model, training=False)
     assert {name: how.split(" ")[0] for name, how in plan.items()} == expected, plan
     loss_fn = lambda y, p: tf.reduce_sum(tf.square(y - p), -1)  # noqa: E731
@@ -295,6 +323,44 @@ def test_layers_not_provably_their_kind_fall_back_exactly(K, case, mode):
     with pytest.raises(ValueError, match=rf"{exact[0]}.*fallback='exact'"):
         per_example_gradient_norms(model, loss_fn, x, y, training=False,
                                    fallback="refuse")
+    if case == "lambda_tied":  # the control: the tie matters at 1e-9
+        twin = _lambda_tied(K, stop=True)[0]
+        twin.set_weights(model.get_weights())
+        untied = _float64_loop_norms(twin, x, y, loss_fn)
+        assert np.max(np.abs(untied - want)) > 1e-3 * np.max(want), (untied, want)
+
+
+def test_a_functional_training_call_of_batch_norm_is_refused(K):
+    """``bn(h, training=True)`` in a functional model runs on the batch's
+    statistics whatever the model is given: refused by name (the moving-
+    statistics rule would be silently wrong), before any variable changes."""
+    from tf_gradkit.gradients.per_example import per_example_norm_plan  # noqa: PLC0415
+    L, f64 = K.layers, "float64"
+
+    def model(training):
+        inp = K.Input((3,), dtype=f64)
+        bn = L.BatchNormalization(name="bn", dtype=f64)
+        h = bn(L.Dense(4, name="d", dtype=f64)(inp), training=training)
+        return K.Model(inp, L.Dense(2, name="o", dtype=f64)(h)), bn
+
+    loss_fn = lambda y, p: tf.reduce_sum(tf.square(y - p), -1)  # noqa: E731
+    rng = np.random.default_rng(7)
+    x, y = (tf.constant(rng.normal(size=(4, n)), f64) for n in (3, 2))
+    bad, bn = model(True)
+    before = [v.numpy().copy() for v in bad.weights]
+    with pytest.raises(ValueError, match=r"\['bn'\].*given training=True"):
+        per_example_norm_plan(bad, training=False)
+    with pytest.raises(ValueError, match=r"\['bn'\].*given training=True"):
+        per_example_gradient_norms(bad, loss_fn, x, y, training=False)
+    for v, b in zip(bad.weights, before):
+        np.testing.assert_array_equal(v.numpy(), b)
+    # The control: the same model without the call's training=True gets the
+    # ghost rule, exact to round-off (float64: 1e-9).
+    good, _ = model(None)
+    assert set(per_example_norm_plan(good, training=False).values()) == {"ghost rule"}
+    np.testing.assert_allclose(
+        per_example_gradient_norms(good, loss_fn, x, y, training=False).numpy(),
+        _float64_loop_norms(good, x, y, loss_fn), rtol=1e-9)
 
 
 def test_wrapped_layers_are_refused_by_name(K):

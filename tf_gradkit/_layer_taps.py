@@ -114,6 +114,58 @@ def is_graph_model(model, kinds):
                                             for base in graph)
 
 
+def graph_reason(model, kinds):
+    """Why ``model``'s call may do more than its layers (None: it is its
+    graph of layers): a ``call`` of its own, or (Keras 3) operations applied
+    between its layers (``ops.matmul(x, layer.kernel)`` on a KerasTensor),
+    which may mix the examples or use a variable no layer's rule sees."""
+    if not is_graph_model(model, kinds):
+        return (f"{model.name!r} is not a Sequential or functional model (its own "
+                "`call` may mix the examples or use any variable)")
+    layers = {id(layer) for layer in model.layers}
+    others = [op for op in getattr(model, "operations", ()) if id(op) not in layers]
+    if others:
+        return (f"{model.name!r} applies operations between its layers "
+                f"({type(others[0]).__name__}), which may mix the examples or use a "
+                "variable")
+    return None
+
+
+def unproven_reason(model, kinds):
+    """Why a layer's rule may not see every use of its variables in
+    ``model``'s forward pass (None: every model in it is its graph of layers,
+    and every innermost layer is provably a rule's kind or provably a
+    weightless per-example layer). A Lambda, a tf_keras op layer, a custom
+    layer or a kind's subclass overriding ``call`` runs code of its own,
+    which may read any variable through a closure (weights tied to an
+    Embedding's table) or mix the examples: nothing narrows that soundly."""
+    why = graph_reason(model, kinds)
+    if why:
+        return why
+    for layer in flat_layers(model):
+        if getattr(layer, "layers", None) is not None:  # a nested model
+            why = graph_reason(layer, kinds)
+        else:
+            kind, why = provable_kind(layer, kinds)
+            if why is None and kind is None and not (
+                    provably_per_example(layer, kinds) and not layer.weights):
+                why = (f"layer {layer.name!r} ({type(layer).__name__}) runs code of its "
+                       "own, which may use any variable (e.g. weights tied through a "
+                       "closure) or mix the examples")
+        if why:
+            return why
+    return None
+
+
+def explicit_training(layer, owner):
+    """Whether a call of ``layer`` in a functional model was given
+    ``training=True`` (which overrides the model's ``training``)."""
+    from tf_gradkit import _hosts  # noqa: PLC0415
+
+    calls = _hosts.host_for(layer, "model", owner).layer_call_kwargs(layer)
+    return any(bool(kwargs.get("training")) for kwargs in calls)
+
+
 def shared_variables(layers):
     """ids of the variables that more than one of ``layers`` (innermost
     layers: those without sub-layers) holds: tied weights, used by each."""

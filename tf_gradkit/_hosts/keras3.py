@@ -495,3 +495,9 @@ def steps_per_execution(model):
 # Last: the registration of this flavour's classes that its Keras's import
 # asked for while this module was still running (see `_registration.register`).
 _registration.host_ready(FLAVOUR)
+
+
+def layer_call_kwargs(layer):
+    """See `HOST_FUNCTIONS` (Keras 3 keeps them on each node's ``arguments``)."""
+    return [dict(getattr(getattr(node, "arguments", None), "kwargs", None) or {})
+            for node in getattr(layer, "_inbound_nodes", None) or []]

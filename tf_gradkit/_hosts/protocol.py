@@ -742,6 +742,8 @@ HOST_FUNCTIONS = {
                       "function-wrapping Keras loss passes its function",
     "is_variable": "is_variable(obj) -> bool: a model variable (or tf.Variable)",
     "dataset_graph": "dataset_graph(dataset) -> GraphDef bytes tensor of a tf.data pipeline",
+    "layer_call_kwargs": "layer_call_kwargs(layer) -> [dict]: the keyword arguments "
+                         "(e.g. training=True) of each call of layer in a functional model",
 }
 
 

@@ -498,3 +498,9 @@ def steps_per_execution(model):
 # Last: the registration of this flavour's classes that its Keras's import
 # asked for while this module was still running (see `_registration.register`).
 _registration.host_ready(FLAVOUR)
+
+
+def layer_call_kwargs(layer):
+    """See `HOST_FUNCTIONS` (tf_keras keeps them on each node's ``call_kwargs``)."""
+    return [dict(getattr(node, "call_kwargs", None) or {})
+            for node in getattr(layer, "_inbound_nodes", None) or []]

@@ -15,7 +15,9 @@ about one backward pass. This is what DP-SGD needs to clip
 
 A layer gets its kind's rule only where the rule is provably right for it
 (the kind's class or a subclass changing only its construction, inside
-Sequential/functional models only, with variables no other layer holds);
+Sequential/functional models only, with variables no other layer holds, in
+a model running no code of its own: no Lambda, op layer, custom layer or
+Keras 3 raw op, any of which may read a variable through a closure);
 other layers of those kinds get their per-example gradients exactly (a
 vectorised Jacobian of the per-example losses, ``B x`` their parameters),
 with a warning naming them, or are refused (``fallback="refuse"``).
@@ -101,8 +103,11 @@ def per_example_gradient_norms(model, loss_fn, x, y, sample_weight=None,
     ``__init__``/``get_config`` (a subclass overriding ``call`` feeds the
     matmul something else than the tap records); every model it sits in is a
     Sequential or functional model (a ``call`` of a model's own could reorder
-    or merge the examples' rows); and no other layer holds its variables
-    (tied weights: the rule would miss the other use). Other layers of
+    or merge the examples' rows); no other layer holds its variables
+    (tied weights: the rule would miss the other use); and the model runs no
+    code of its own (a Lambda, a tf_keras op layer, a custom layer, a kind's
+    subclass overriding ``call`` or a Keras 3 raw op between layers may read
+    any variable through a closure: then every layer falls back). Other layers of
     those kinds get their per-example gradients exactly (``fallback="exact"``,
     a vectorised Jacobian of the per-example losses, memory ``B x`` their
     parameters, with a warning naming them) or are refused
@@ -133,7 +138,8 @@ def per_example_gradient_norms(model, loss_fn, x, y, sample_weight=None,
 
     Raises:
       ValueError: trainable variables that no rule covers (naming their
-        layers and why), e.g. a BatchNormalization with ``training=True``;
+        layers and why), e.g. a BatchNormalization with ``training=True``
+        (given here or to its call in a functional model);
         a ragged or sparse input to a layer other than an Embedding.
 
     Warns:
@@ -150,10 +156,13 @@ def per_example_gradient_norms(model, loss_fn, x, y, sample_weight=None,
     """
     plan = _plan(model, training, fallback)
     if plan.exact:
+        by_why = {}
+        for name, why in plan.exact.items():
+            by_why.setdefault(why, []).append(name)
         warnings.warn(
             "per_example_gradient_norms: exact per-example gradients (memory B x "
             "their parameters) instead of a ghost rule for " + "; ".join(
-                f"{name!r}: {why}" for name, why in plan.exact.items()),
+                f"{names}: {why}" for why, names in by_why.items()),
             stacklevel=2)
     records = {id(layer): [] for layer, _ in plan.ghost}
     with _Taps(plan.ghost, records):
@@ -217,9 +226,11 @@ def per_example_norm_plan(model, training=True, fallback="exact"):
     ...         return super().call(2.0 * x)
     >>> model = K.Sequential([K.Input((3,)), K.layers.Dense(2, name="d"),
     ...                       Scaled(1, name="s")])
-    >>> plan = per_example_norm_plan(model)
-    >>> plan["d"], plan["s"].split(":")[0]
-    ('ghost rule', 'exact fallback')
+    >>> plan = per_example_norm_plan(model)  # s's own code may read d's kernel too
+    >>> plan["d"].split(":")[0], plan["s"].split(":")[0]
+    ('exact fallback', 'exact fallback')
+    >>> per_example_norm_plan(K.Sequential([K.Input((3,)), K.layers.Dense(2, name="d")]))
+    {'d': 'ghost rule'}
     """
     plan = _plan(model, training, fallback)
     out = {layer.name: "ghost rule" for layer, _ in plan.ghost}
@@ -240,9 +251,14 @@ def _plan(model, training, fallback):
     if fallback not in ("exact", "refuse"):
         raise ValueError("per_example_gradient_norms: `fallback` must be 'exact' "
                          f"or 'refuse'. Received: fallback={fallback!r}")
-    kinds = _taps.layer_kinds(model, "per_example_gradient_norms")
+    owner = "per_example_gradient_norms"
+    kinds = _taps.layer_kinds(model, owner)
     layers = _taps.flat_layers(model)
-    outside = _outside_a_graph(model, kinds)
+    # Code of the model's own (a Lambda, a raw op, a custom layer, a call
+    # override) may read any variable, e.g. a table tied through a closure:
+    # no rule is then provably right, for any layer (one shared check with
+    # LevenbergMarquardt's taps: `_layer_taps.unproven_reason`).
+    whole = _taps.unproven_reason(model, kinds)
     tied = _taps.shared_variables(layers)
     trainable = {id(v) for v in model.trainable_variables}
     plan = _Plan([], {}, {}, [])
@@ -254,11 +270,16 @@ def _plan(model, training, fallback):
         rule = RULES.get(_taps.kind_of(layer, kinds))
         if rule is None:
             continue
-        why_not = rule.supports(layer, training)
+        # A functional `bn(x, training=True)` runs in training whatever the
+        # model is given: the rule must see the mode the layer runs in.
+        explicit = not training and _taps.explicit_training(layer, owner)
+        why_not = rule.supports(layer, bool(training) or explicit)
         if why_not:
-            refused[layer.name] = why_not
+            refused[layer.name] = (
+                "its call in the model is given training=True, which overrides the "
+                f"training=False given here; {why_not}" if explicit else why_not)
             continue
-        why = _taps.provable_kind(layer, kinds)[1] or outside.get(id(layer))
+        why = _taps.provable_kind(layer, kinds)[1] or whole
         shared = [v for v in layer.trainable_weights if id(v) in tied]
         if why is None and shared:
             why = (f"its variable(s) {[_path(v) for v in shared]} are held by another "
@@ -293,26 +314,6 @@ def _plan(model, training, fallback):
     assert not {id(v) for v in plan.exact_variables} & {
         id(v) for layer, rule in plan.ghost for v in rule.variables(layer)}
     return plan
-
-
-def _outside_a_graph(model, kinds):
-    """id(layer) -> why, for the layers inside a model with a ``call`` of its
-    own (the top model included): such a call may reorder or merge the
-    examples' rows before the layer, which a tap's rule assumes it does not."""
-    out, todo, seen = {}, [(model, None)], set()
-    while todo:
-        container, why = todo.pop()
-        if not _taps.is_graph_model(container, kinds):
-            why = why or (f"it is called by {container.name!r} "
-                          f"({type(container).__name__}), whose own `call` may "
-                          "reorder or merge the examples' rows")
-        for layer in getattr(container, "layers", None) or []:
-            if why is not None:
-                out.setdefault(id(layer), why)
-            if getattr(layer, "layers", None) is not None and (id(layer), why) not in seen:
-                seen.add((id(layer), why))
-                todo.append((layer, why))
-    return out
 
 
 def _path(variable):

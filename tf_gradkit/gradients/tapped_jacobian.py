@@ -154,25 +154,12 @@ RULES = {
 # pylint: enable=protected-access
 
 
-def _graph_reason(model, kinds):
-    """Why ``model``'s call may mix examples (None: it is its graph of layers)."""
-    if not _taps.is_graph_model(model, kinds):
-        return (f"{model.name!r} is not a Sequential or functional model (its own "
-                "`call` may mix the examples)")
-    layers = {id(layer) for layer in model.layers}
-    others = [op for op in getattr(model, "operations", ()) if id(op) not in layers]
-    if others:
-        return (f"{model.name!r} applies operations between its layers "
-                f"({type(others[0]).__name__}), which may mix the examples")
-    return None
-
-
 def plan(model, variables, training=True):
     """``(plan, None)`` with ``plan = [(layer, rule)]`` when taps give the
     Jacobian of ``model``'s per-example residuals in ``variables``, else
     ``(None, why)``."""
     kinds = _taps.layer_kinds(model, "LevenbergMarquardt")
-    why = _graph_reason(model, kinds)
+    why = _taps.graph_reason(model, kinds)
     if why:
         return None, why
     solved = {id(v) for v in variables}
@@ -181,7 +168,7 @@ def plan(model, variables, training=True):
     tied = _taps.shared_variables(layers)
     for layer in layers:
         if getattr(layer, "layers", None) is not None:  # a nested model
-            why = _graph_reason(layer, kinds)
+            why = _taps.graph_reason(layer, kinds)
             if why:
                 return None, why
             continue
