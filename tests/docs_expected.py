@@ -113,6 +113,12 @@ EXPECT = {
         Text("[2 9 2]"),
     ("docs/batched_fits.md", "print(fit.undetermined.numpy())     # [ True False  True]: inf "
                              "covariance, warned"): Text("[ True False  True]"),
+    ("docs/batched_fits.md", "print(fit.x.dtype.name, np.round(fit.x.numpy(), 3))   # float32, the truth"):
+        Check(lambda n, t: t.startswith("float32") and len(n) == 10 and all(
+            abs(a - b) <= 2e-3 * max(1.0, abs(b)) for a, b in zip(
+                n, [80.0, 2.1, 1.9, 1.3, 5.0, 60.0, 2.4, 2.2, 1.6, 3.0])),
+              "float32 parameters at the truth (noise-free data; printed to 3 decimals, and "
+              "float32 round-off of the fit, ~1e-4 relative, allowed up to 2e-3)"),
     ("docs/conditional_accumulator.md", "print(value.numpy())        # [1. 2.]: the mean of the three"):
         Numbers(1, 2),
     ("docs/conditional_accumulator.md", "print(bool(acc.apply_grad([1.0, 2.0], local_step=step_seen)))"
