@@ -202,3 +202,39 @@ def test_progress_bar_across_chunks(capsys):
     assert "1/2 fits" in out and "2/2 fits" in out
     fit(y, P0, batch_size=1)
     assert capsys.readouterr().out == ""   # control: silent by default
+
+
+# -- least_squares(verbose=) ---------------------------------------------------------
+
+def _single_fit(verbose):
+    a = tf.Variable(1.0, dtype=tf.float64)
+    b = tf.Variable(0.1, dtype=tf.float64)
+    x = tf.constant([1., 2., 3., 4.], tf.float64)
+    y = 2.5 * tf.exp(-0.3 * x)
+    return tf_gradkit.least_squares(lambda: a * tf.exp(-b * x) - y, [a, b],
+                                    verbose=verbose)
+
+
+def test_least_squares_verbose_termination_report(capsys):
+    res = _single_fit(1)
+    out = capsys.readouterr().out
+    assert f"least_squares: {res.reason}." in out
+    assert f"Iterations {int(res.iterations)}," in out
+    _single_fit(0)
+    assert capsys.readouterr().out == ""   # control: silent by default
+
+
+@pytest.mark.parametrize("verbose,match", [
+    (2, "not built yet"), (3, "0 .silent. or 1"), (True, "0 .silent. or 1")])
+def test_least_squares_verbose_refusals(verbose, match):
+    with pytest.raises(ValueError, match=match):
+        _single_fit(verbose)
+
+
+def test_least_squares_verbose_refused_while_tracing():
+    @tf.function
+    def traced():
+        return _single_fit(1).cost
+
+    with pytest.raises(ValueError, match="needs an eager call"):
+        traced()

@@ -111,7 +111,8 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                   controller="trust_region", scaling=None, solver="qr",
                   max_attempts=10, gtol=None, xtol=None, ftol=None,
                   bounds=None, loss="linear", f_scale=1.0, x_scale=None,
-                  geodesic_acceleration=False, jit_compile="auto", cache=True):
+                  geodesic_acceleration=False, jit_compile="auto", cache=True,
+                  verbose=0):
     """Solves a nonlinear least-squares problem by Levenberg-Marquardt.
 
     Args:
@@ -196,6 +197,10 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         reads) needs ``cache=False`` or ``solve_cache.SOLVES.clear()``. Data
         that changes between fits is best held in a ``tf.Variable``: it is
         read at each run, with no new trace.
+      verbose: 0 (default) silent; 1 prints scipy's termination report (why
+        it stopped, iterations, final cost, first-order optimality) after an
+        eager solve, from the host: the compiled solve holds no print op.
+        2 (scipy's per-iteration report) is refused: not built yet.
 
     Returns:
       A `LeastSquaresResult`.
@@ -210,6 +215,7 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
     (2.5, 0.3, 'step tolerance')
     """
     var_list = _variables(var_list)
+    _check_verbose(verbose)
     if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) \
             or max_iterations < 0:
         raise ValueError("least_squares: `max_iterations` must be an integer >= 0. "
@@ -275,6 +281,10 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
             "start (as scipy: 'Residuals are not finite in the initial point'). "
             f"Received: cost {float(cost)} at the values in `var_list`; start "
             "where every residual is finite.")
+    if verbose:
+        print(f"least_squares: {StopReason(int(code)).description}. Iterations "
+              f"{int(it)}, final cost {float(cost):.4e}, first-order optimality "
+              f"{float(optimality):.2e}.")
     return LeastSquaresResult(cost=cost, iterations=it,
                               converged=(code >= 1) & (code <= 3),
                               reason_code=code, damping=damping,
@@ -283,6 +293,23 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                               active_mask=mask, covariance=cov,
                               undetermined=(None if cov is None
                                             else fit_report.undetermined(cov)))
+
+
+def _check_verbose(verbose):
+    """Refuses, naming it, a ``verbose`` this solve cannot honour."""
+    if verbose == 2 and not isinstance(verbose, bool):
+        raise ValueError(
+            "least_squares: verbose=2 (scipy's per-iteration report of cost, step "
+            "and damping) is not built yet (issue 39): the compiled loop keeps no "
+            "per-iteration history. Use verbose=1 for the termination report.")
+    if isinstance(verbose, bool) or verbose not in (0, 1):
+        raise ValueError("least_squares: `verbose` must be 0 (silent) or 1 (a "
+                         f"termination report, scipy's). Received: verbose={verbose!r}")
+    if verbose and not tf.executing_eagerly():
+        raise ValueError(
+            "least_squares: verbose=1 prints on the host after the solve, so it "
+            "needs an eager call (inside a tf.function read the result's `reason`, "
+            "`iterations` and `cost` instead). Received: verbose=1 while tracing.")
 
 
 def _compiled(build, residual_fn, inputs, jit_compile, key):
