@@ -206,13 +206,15 @@ def test_progress_bar_across_chunks(capsys):
 
 # -- least_squares(verbose=) ---------------------------------------------------------
 
-def _single_fit(verbose):
+X4 = tf.constant([1., 2., 3., 4.], tf.float64)
+Y4 = 2.5 * tf.exp(-0.3 * X4)
+
+
+def _single_fit(verbose, **kw):
     a = tf.Variable(1.0, dtype=tf.float64)
     b = tf.Variable(0.1, dtype=tf.float64)
-    x = tf.constant([1., 2., 3., 4.], tf.float64)
-    y = 2.5 * tf.exp(-0.3 * x)
-    return tf_gradkit.least_squares(lambda: a * tf.exp(-b * x) - y, [a, b],
-                                    verbose=verbose)
+    return tf_gradkit.least_squares(lambda: a * tf.exp(-b * X4) - Y4, [a, b],
+                                    verbose=verbose, **kw)
 
 
 def test_least_squares_verbose_termination_report(capsys):
@@ -224,11 +226,28 @@ def test_least_squares_verbose_termination_report(capsys):
     assert capsys.readouterr().out == ""   # control: silent by default
 
 
-@pytest.mark.parametrize("verbose,match", [
-    (2, "not built yet"), (3, "0 .silent. or 1"), (True, "0 .silent. or 1")])
-def test_least_squares_verbose_refusals(verbose, match):
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_least_squares_verbose_2_reports_each_iteration(capsys, jit_compile):
+    res = _single_fit(2, jit_compile=jit_compile)
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines[1:-1]]
+    assert len(rows) == int(res.iterations)
+    # Row 0's cost is the start's, by hand: 0.5 * sum r^2 at (1.0, 0.1).
+    start = 0.5 * np.sum((np.exp(-0.1 * X4.numpy()) - Y4.numpy()) ** 2)
+    np.testing.assert_allclose(float(rows[0][1]), start, rtol=1e-4)  # 5 digits printed
+    costs = [float(r[1]) for r in rows]
+    assert all(b <= a for a, b in zip(costs, costs[1:]))   # LM never goes up
+    assert rows[0][4] == "accepted"
+    assert lines[-1].startswith(f"least_squares: {res.reason}.")
+
+
+@pytest.mark.parametrize("verbose,kw,match", [
+    (3, {}, "0 .silent., 1"), (True, {}, "0 .silent., 1"),
+    (2, dict(bounds=([0., 0.], [10., 10.])), "verbose=2.*bounds"),
+    (2, dict(scaling="hybrid"), "verbose=2.*scaling")])
+def test_least_squares_verbose_refusals(verbose, kw, match):
     with pytest.raises(ValueError, match=match):
-        _single_fit(verbose)
+        _single_fit(verbose, **kw)
 
 
 def test_least_squares_verbose_refused_while_tracing():
