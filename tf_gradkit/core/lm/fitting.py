@@ -21,6 +21,8 @@ from tf_gradkit.core.lm import batched
 from tf_gradkit.core.lm import batched_parts
 from tf_gradkit.core.lm import damping as damping_lib
 from tf_gradkit.core.lm import fit_report
+from tf_gradkit.core.lm import fixed as fixed_lib
+from tf_gradkit.core.lm import poisson
 from tf_gradkit.core.lm import small
 from tf_gradkit.core.lm import solve_cache
 from tf_gradkit.core.lm.parts import resolve_part
@@ -95,7 +97,8 @@ def least_squares_batched(fun, x0, args=(), *, mask=None, bounds=None,
                           max_iterations=100, controller="trust_region",
                           scaling=None, solver="auto", max_attempts=10, gtol=None,
                           xtol=None, ftol=None, batch_size=None,
-                          full_output=False, jit_compile=True, jac=None):
+                          full_output=False, jit_compile=True, jac=None,
+                          parameters_to_fit=None, progress=False):
     """Solves B independent nonlinear least-squares problems at once.
 
     Each problem ``b`` minimises ``0.5 * sum_i rho(fun(x, *args)[b, i]^2)``
@@ -127,6 +130,14 @@ def least_squares_batched(fun, x0, args=(), *, mask=None, bounds=None,
       jac: optional ``jac(x, *args) -> [B, N, P]``, the residuals' Jacobian
         (TensorFlow ops), used instead of forward-mode differentiation
         (scipy's callable ``jac``); masked rows are zeroed here.
+      parameters_to_fit: optional ``[P]`` of 1 (fit) and 0 (fixed), or
+        bools (Gpufit's ``parameters_to_fit``): a fixed parameter keeps its
+        start ``x0[b, j]`` in every fit and the solve runs on the free ones
+        (the reduced problem). Its covariance row and column, ``perr``,
+        ``grad`` and Jacobian column are 0 (Gpufit's convention); its
+        bounds are not used.
+      progress: print a text progress bar across the chunks (``batch_size``
+        problems each) as they finish.
 
     Returns:
       A `BatchedFitResult`.
@@ -150,13 +161,15 @@ def least_squares_batched(fun, x0, args=(), *, mask=None, bounds=None,
                        scaling=scaling, solver=solver, max_attempts=max_attempts,
                        gtol=gtol, xtol=xtol, ftol=ftol),
                   batch_size, full_output, jit_compile, absolute=False,
-                  name="least_squares_batched")
+                  name="least_squares_batched", parameters_to_fit=parameters_to_fit,
+                  progress=progress)
 
 
 def curve_fit(f, xdata, ydata, p0, sigma=None, bounds=(-np.inf, np.inf),
-              loss="linear", f_scale=1.0, *, absolute_sigma=False, mask=None,
+              loss="linear", f_scale=1.0, *, absolute_sigma=None, mask=None,
               xdata_per_fit=None, x_scale=None, max_iterations=100,
-              batch_size=None, full_output=False, dtype=None, **options):
+              batch_size=None, full_output=False, dtype=None, estimator="lse",
+              parameters_to_fit=None, progress=False, **options):
     """Fits ``ydata ~ f(xdata, params)`` for B data sets at once.
 
     The batched ``scipy.optimize.curve_fit``: residuals ``(f(xdata, p) -
@@ -178,11 +191,19 @@ def curve_fit(f, xdata, ydata, p0, sigma=None, bounds=(-np.inf, np.inf),
       bounds, loss, f_scale: as scipy's ``curve_fit``/``least_squares``;
         ``bounds`` sides scalar, ``[P]`` or ``[B, P]``.
       absolute_sigma: as scipy: the covariance is not rescaled by the
-        reduced chi-square.
+        reduced chi-square (default False; with ``estimator="mle"`` always
+        True: a Poisson count's variance is its mean, nothing to rescale).
       mask: optional ``[B, N]`` bool, False at padding (ragged data).
       xdata_per_fit: True/False to say whether ``xdata`` has a batch axis.
-      x_scale, max_iterations, batch_size, full_output: as
-        `least_squares_batched`.
+      x_scale, max_iterations, batch_size, full_output, parameters_to_fit,
+        progress: as `least_squares_batched` (``parameters_to_fit`` ``[P]``,
+        the fixed parameters keep their ``p0``).
+      estimator: "lse" (least squares, the default) or "mle" (Gpufit's
+        names): "mle" is Poisson maximum likelihood for counts, minimising
+        the deviance ``2 * sum(f - y - y log(f / y))`` (``2 * cost``, Gpufit's
+        chi-square); ``ydata`` must be >= 0, ``sigma`` and a robust ``loss``
+        are refused, a model value <= 0 at the start gives that fit status
+        7 (non-finite start) and a step to one is rejected.
       dtype: the solve's dtype (default: numpy's promotion of the float
         arrays among ``p0`` and ``ydata``, lists and ints not counting:
         float32 data with a list ``p0`` solve in float32; float64 when
@@ -215,6 +236,7 @@ def curve_fit(f, xdata, ydata, p0, sigma=None, bounds=(-np.inf, np.inf),
     jit_compile = options.pop("jit_compile", True)
     jac = options.pop("jac", None)
     _check_curve_inputs(xdata, ydata, p0)
+    absolute_sigma = _estimator(estimator, ydata, sigma, loss, absolute_sigma)
     one = np.ndim(ydata) == 1
     if one:
         if np.ndim(p0) != 1:
@@ -261,16 +283,47 @@ def curve_fit(f, xdata, ydata, p0, sigma=None, bounds=(-np.inf, np.inf),
     mask = mask & ~tf.math.is_inf(sigma)
     per_fit = (xdata, ydata, sigma) if xdata_per_fit else ((), ydata, sigma)
     shared = () if xdata_per_fit else (xdata,)
-    result = _solve("curve", (f, jac), p0, per_fit, shared, mask, bounds,
+    result = _solve("curve" if estimator == "lse" else "curve_mle", (f, jac), p0,
+                    per_fit, shared, mask, bounds,
                     dict(loss=loss, f_scale=f_scale, x_scale=x_scale,
                          max_iterations=max_iterations, **options),
                     batch_size, full_output, jit_compile, absolute=absolute_sigma,
-                    name="curve_fit")
+                    name="curve_fit", parameters_to_fit=parameters_to_fit,
+                    progress=progress)
     if one:
         result = BatchedFitResult(*[None if t is None else t[0] for t in result])
     if tf.executing_eagerly():
         fit_report.warn_undetermined(result.undetermined, "curve_fit")
     return result
+
+
+def _estimator(estimator, ydata, sigma, loss, absolute_sigma):
+    """Refuses what the estimator cannot take, naming it; returns the
+    effective ``absolute_sigma``."""
+    if estimator not in ("lse", "mle"):
+        raise ValueError("curve_fit: `estimator` must be 'lse' (least squares) or "
+                         "'mle' (Poisson maximum likelihood, Gpufit's names). "
+                         f"Received: estimator={estimator!r}")
+    if estimator == "lse":
+        return bool(absolute_sigma)
+    if sigma is not None:
+        raise ValueError("curve_fit: estimator='mle' takes no `sigma` (a Poisson "
+                         "count's variance is the model value itself; Gpufit "
+                         "ignores weights with MLE). Received: sigma given; "
+                         "drop it, or use estimator='lse' for weighted least squares.")
+    if loss != "linear":
+        raise ValueError("curve_fit: estimator='mle' takes no robust `loss` (the "
+                         f"deviance is the objective). Received: loss={loss!r}")
+    if absolute_sigma is False:
+        raise ValueError("curve_fit: estimator='mle' reports the unscaled "
+                         "covariance (absolute_sigma=True): the Poisson variance is "
+                         "known. Received: absolute_sigma=False; leave it out.")
+    y = np.asarray(ydata, dtype=np.float64)
+    if np.any(y < 0):
+        raise ValueError("curve_fit: estimator='mle' fits counts: `ydata` must be "
+                         f">= 0. Received: a minimum of {np.nanmin(y)!r}; use "
+                         "estimator='lse' for signed data.")
+    return True
 
 
 def _check_curve_inputs(xdata, ydata, p0):
@@ -316,7 +369,7 @@ def _with_jacobian(residual_fn, jac_fn, name):
     return residual_fn
 
 
-def _curve_residuals(fns, per_fit, shared, mask):
+def _curve_residuals(fns, per_fit, shared, mask, mle=False):
     f, jac = fns
     xdata, ydata, sigma = per_fit
     if shared:
@@ -330,12 +383,19 @@ def _curve_residuals(fns, per_fit, shared, mask):
                 "curve_fit: `f(xdata, params)` must return [B, N] like `ydata` "
                 f"({ydata.shape.as_list()}) for `params` [B, P] "
                 f"({params.shape.as_list()}). Received: shape {model.shape}")
-        r = (tf.cast(model, ydata.dtype) - ydata) / sigma
+        model = tf.cast(model, ydata.dtype)
+        r = (poisson.residuals(model, ydata) if mle
+             else (model - ydata) / sigma)
         return tf.where(mask, r, tf.zeros_like(r))
 
     def jac_fn(params):
         j = jac(xdata, params)
-        j = tf.cast(j, ydata.dtype) / sigma[..., None] if j.shape.rank == 3 else j
+        if mle and j.shape.rank == 3:
+            model = tf.cast(f(xdata, params), ydata.dtype)
+            j = tf.cast(j, ydata.dtype) * poisson.residual_derivative(
+                model, ydata)[..., None]
+        elif j.shape.rank == 3:
+            j = tf.cast(j, ydata.dtype) / sigma[..., None]
         return tf.where(mask[..., None], j, tf.zeros_like(j)) if j.shape.rank == 3 else j
 
     return _with_jacobian(residual_fn, None if jac is None else jac_fn, "curve_fit")
@@ -369,17 +429,20 @@ def _fun_residuals(fns, per_fit, shared, mask):
                           "least_squares_batched")
 
 
-_RESIDUALS = {"fun": _fun_residuals, "curve": _curve_residuals}
+_RESIDUALS = {"fun": _fun_residuals, "curve": _curve_residuals,
+              "curve_mle": lambda *a: _curve_residuals(*a, mle=True)}
 
 
-def _compiled(kind, fn, options, key, jit_compile, full_output):
+def _compiled(kind, fn, options, key, jit_compile, full_output, free=None):
     """The chunk solve for ``fn`` and these options, from `solve_cache.SOLVES`
     (`least_squares`'s cache; the tf.function keeps one trace per chunk
     shape and dtype)."""
 
     def build():
-        def chunk(x0, per_fit, shared, mask, lower, upper):
-            residual_fn = _RESIDUALS[kind](fn, per_fit, shared, mask)
+        def chunk(x0, per_fit, shared, mask, lower, upper, full0):
+            fns = (fn if free is None else fixed_lib.reduce_fns(
+                "fun" if kind == "fun" else "curve", fn, free, full0))
+            residual_fn = _RESIDUALS[kind](fns, per_fit, shared, mask)
             box = (None if lower is None
                    else batched_parts.BatchedBounds(lower, upper))
             if mask is None:
@@ -402,19 +465,32 @@ def _compiled(kind, fn, options, key, jit_compile, full_output):
 
     function = tuple(identity(f) for f in fn)   # (the model, its jac)
     found, _ = solve_cache.SOLVES.lookup(
-        ("least_squares_batched", kind, function, key, jit_compile, full_output),
+        ("least_squares_batched", kind, function, key, jit_compile, full_output,
+         free),
         build)
     return found
 
 
 def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
-           full_output, jit_compile, absolute, name):
+           full_output, jit_compile, absolute, name, parameters_to_fit=None,
+           progress=False):
     dtype = x0.dtype
     batch, p = int(x0.shape[0]), int(x0.shape[1])
-    options, key = _options(opts, dtype, p, name)
+    free = fixed_lib.free_indices(parameters_to_fit, p, name)
+    full0 = x0
+    if free is not None:
+        x_scale = opts.get("x_scale")
+        if x_scale is not None and not isinstance(x_scale, str) and np.shape(
+                x_scale) == (p,):
+            opts = dict(opts, x_scale=np.asarray(x_scale)[list(free)])
+        x0 = fixed_lib.take_columns(x0, free)
+    options, key = _options(opts, dtype, int(x0.shape[1]), name)
     lower = upper = None
     if bounds is not None:
         lower, upper = _bounds(bounds, batch, p, dtype, name)
+        if free is not None and lower is not None:
+            lower, upper = (fixed_lib.take_columns(lower, free),
+                            fixed_lib.take_columns(upper, free))
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
             batch_size, (int, np.integer)) or batch_size < 1):
         raise ValueError(f"{name}: `batch_size` must be an integer >= 1 or None. "
@@ -422,14 +498,15 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
     if mask is not None:
         n_points = int(mask.shape[1])
     elif batch_size is None:  # N from one problem's residuals
-        n_points = _residual_count(fn[0], x0, per_fit, name)
+        n_points = _residual_count(fn[0], full0, per_fit, name)
     if batch_size is None:
         budget = (CHUNK_ELEMENTS if tf.config.list_logical_devices("GPU")
                   else CHUNK_ELEMENTS_CPU)
         batch_size = max(1, budget // max(n_points * p, 1))
     size = int(min(batch_size, batch))
-    solve = _compiled(kind, fn, options, key, jit_compile, full_output)
+    solve = _compiled(kind, fn, options, key, jit_compile, full_output, free)
     outputs = []
+    bar = _Progress(batch, name) if progress else None
     for start in range(0, batch, size):
         stop = min(start + size, batch)
 
@@ -440,7 +517,8 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
             take(x0), tf.nest.map_structure(take, per_fit), shared,
             None if mask is None else take(mask),
             None if lower is None else take(lower),
-            None if upper is None else take(upper))
+            None if upper is None else take(upper),
+            take(full0) if free is not None else None)
         finite = tf.reduce_all(tf.math.is_finite(out.factor), axis=[1, 2])
         cov = batched_parts.covariance(
             tf.where(finite[:, None, None], out.factor, tf.zeros_like(out.factor)),
@@ -449,11 +527,15 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
         keep = stop - start
         outputs.append(tf.nest.map_structure(
             lambda t, keep=keep: None if t is None else t[:keep], (out, cov)))
+        if bar is not None:
+            bar.update(stop)
     solutions = [o[0] for o in outputs]
     sol = tf.nest.map_structure(
         lambda *ts: None if ts[0] is None else tf.concat(ts, axis=0), *solutions)
     cov = tf.concat([o[1] for o in outputs], axis=0)
     status = sol.status
+    if free is not None:
+        sol, cov = _expand_fixed(sol, cov, free, p, full0)
     cov = fit_report.without_covariance(cov, _not_run(status))
     return BatchedFitResult(
         x=sol.x, cost=sol.cost, converged=(status >= 1) & (status <= 3),
@@ -462,6 +544,33 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
         stationarity=sol.stationarity, damping=sol.damping, grad=sol.grad,
         active_mask=sol.active_mask, fun=sol.fun, jac=sol.jac,
         undetermined=fit_report.undetermined(cov))
+
+
+def _expand_fixed(sol, cov, free, p, full0):
+    """The reduced solve's outputs back on all ``p`` parameters: fixed ones
+    at their start, 0 in the covariance, grad, active mask and Jacobian."""
+    spread = fixed_lib.scatter_columns
+    cov = spread(spread(cov, free, p, 1), free, p, 2)
+    sol = sol._replace(
+        x=fixed_lib.expand(sol.x, full0, free), grad=spread(sol.grad, free, p, 1),
+        active_mask=spread(sol.active_mask, free, p, 1),
+        jac=None if sol.jac is None else spread(sol.jac, free, p, 2))
+    return sol, cov
+
+
+class _Progress:
+    """A text progress bar across chunks (Keras-free: core stays pure TF)."""
+
+    WIDTH = 30
+
+    def __init__(self, total, name):
+        self.total, self.name = total, name
+
+    def update(self, done):
+        filled = self.WIDTH * done // self.total
+        end = "\n" if done >= self.total else ""
+        print(f"\r{self.name}: {done}/{self.total} fits "
+              f"[{'=' * filled}{'.' * (self.WIDTH - filled)}]", end=end, flush=True)
 
 
 def _not_run(status):

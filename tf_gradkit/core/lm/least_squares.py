@@ -111,7 +111,8 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                   controller="trust_region", scaling=None, solver="qr",
                   max_attempts=10, gtol=None, xtol=None, ftol=None,
                   bounds=None, loss="linear", f_scale=1.0, x_scale=None,
-                  geodesic_acceleration=False, jit_compile="auto", cache=True):
+                  geodesic_acceleration=False, jit_compile="auto", cache=True,
+                  verbose=0):
     """Solves a nonlinear least-squares problem by Levenberg-Marquardt.
 
     Args:
@@ -196,6 +197,10 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         reads) needs ``cache=False`` or ``solve_cache.SOLVES.clear()``. Data
         that changes between fits is best held in a ``tf.Variable``: it is
         read at each run, with no new trace.
+      verbose: 0 (default) silent; 1 prints scipy's termination report (why
+        it stopped, iterations, final cost, first-order optimality) after an
+        eager solve, from the host: the compiled solve holds no print op.
+        2 (scipy's per-iteration report) is refused: not built yet.
 
     Returns:
       A `LeastSquaresResult`.
@@ -210,6 +215,7 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
     (2.5, 0.3, 'step tolerance')
     """
     var_list = _variables(var_list)
+    _check_verbose(verbose)
     if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) \
             or max_iterations < 0:
         raise ValueError("least_squares: `max_iterations` must be an integer >= 0. "
@@ -244,11 +250,20 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                          f"'auto'. Received: jit_compile={jit_compile!r}")
     phases = (scaling.phases(controller) if callable(getattr(scaling, "phases", None))
               else [(scaling, controller)])
+    if verbose == 2 and (len(phases) > 1 or box is not None):
+        raise ValueError(
+            "least_squares: verbose=2 (the per-iteration report) covers a solve of "
+            "one run; with `bounds` or a restarting `scaling` (e.g. 'hybrid', the "
+            "default with a robust loss) the solve may run again, which it does "
+            f"not record yet (issue 39). Received: verbose=2 with bounds="
+            f"{'given' if box is not None else None}, {len(phases)} scaling "
+            "phase(s). Use verbose=1, or drop `bounds` and pass scaling='marquardt'.")
+    history = verbose == 2
 
     def build(traced_fn, tolerances, box, with_covariance):
         problem = whole_solve.make_problem(
             traced_fn, var_list, dtype, robust, solver, max_iterations,
-            max_attempts, geodesic_acceleration)
+            max_attempts, geodesic_acceleration, history)
         return whole_solve.solve(problem, tolerances, box, phases, with_covariance)
 
     tolerances = whole_solve.Tolerances(*(tf.constant(t, dtype)
@@ -264,9 +279,9 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                    solve_cache.part_key(controller), solve_cache.part_key(scaling),
                    solve_cache.part_key(solver), max_attempts, robust.name,
                    robust.f_scale, box is None, geodesic_acceleration,
-                   jit_compile, dtype.name)
+                   jit_compile, dtype.name, history)
         out = _compiled(build, residual_fn, inputs, jit_compile, key)(*inputs)
-    it, code, damping, cost, optimality, cosine, x, fun, jac, grad, mask, cov = out
+    it, code, damping, cost, optimality, cosine, x, fun, jac, grad, mask, cov = out[:12]
     if cov is not None:
         cov = fit_report.without_covariance(cov, tf.equal(code, NON_FINITE_START))
     if tf.executing_eagerly() and int(code) == StopReason.NON_FINITE_START:
@@ -275,6 +290,12 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
             "start (as scipy: 'Residuals are not finite in the initial point'). "
             f"Received: cost {float(cost)} at the values in `var_list`; start "
             "where every residual is finite.")
+    if history:
+        _print_history(out[12].numpy()[:int(it)])
+    if verbose:
+        print(f"least_squares: {StopReason(int(code)).description}. Iterations "
+              f"{int(it)}, final cost {float(cost):.4e}, first-order optimality "
+              f"{float(optimality):.2e}.")
     return LeastSquaresResult(cost=cost, iterations=it,
                               converged=(code >= 1) & (code <= 3),
                               reason_code=code, damping=damping,
@@ -283,6 +304,28 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                               active_mask=mask, covariance=cov,
                               undetermined=(None if cov is None
                                             else fit_report.undetermined(cov)))
+
+
+def _check_verbose(verbose):
+    """Refuses, naming it, a ``verbose`` this solve cannot honour."""
+    if isinstance(verbose, bool) or verbose not in (0, 1, 2):
+        raise ValueError("least_squares: `verbose` must be 0 (silent), 1 (a "
+                         "termination report) or 2 (and each iteration), scipy's "
+                         f"levels. Received: verbose={verbose!r}")
+    if verbose and not tf.executing_eagerly():
+        raise ValueError(
+            f"least_squares: verbose={verbose} prints on the host after the solve, "
+            "so it needs an eager call (inside a tf.function read the result's "
+            "`reason`, `iterations` and `cost` instead). Received: verbose="
+            f"{verbose} while tracing.")
+
+
+def _print_history(rows):
+    """verbose=2: one line per iteration, recorded in the compiled loop."""
+    print(f"{'Iteration':>9} {'Cost':>12} {'Step norm':>12} {'Damping':>12}  Step")
+    for i, (cost, step, damping, accepted) in enumerate(rows):
+        taken = "accepted" if accepted else "rejected"
+        print(f"{i:>9d} {cost:12.4e} {step:12.4e} {damping:12.4e}  {taken}")
 
 
 def _compiled(build, residual_fn, inputs, jit_compile, key):
@@ -317,7 +360,9 @@ def _compile(build, residual_fn, inputs, jit_compile):
     def with_covariance(*args):
         out = compiled(*args)
         jac, cost = out[8], out[3]
-        return out[:-1] + (None if jac is None else pcov(jac, cost),)
+        # out[11] is the covariance slot (None here); out[12:] the verbose=2
+        # record when kept.
+        return out[:11] + (None if jac is None else pcov(jac, cost),) + out[12:]
 
     return with_covariance
 

@@ -100,6 +100,9 @@ class Problem(NamedTuple):
       solver: the linear solver part.
       max_iterations, max_attempts: Python ints.
       geodesic: a `geodesic.GeodesicAcceleration` or None.
+      history: keep each iteration's (cost, step norm, damping, accepted)
+        in the loop (``least_squares(verbose=2)``); False leaves the loop's
+        carry as it is.
     """
 
     residual_fn: Callable
@@ -110,6 +113,7 @@ class Problem(NamedTuple):
     max_iterations: int
     max_attempts: int
     geodesic: Optional[geodesic_lib.GeodesicAcceleration] = None
+    history: bool = False
 
     @property
     def num_params(self):
@@ -125,14 +129,14 @@ class Problem(NamedTuple):
 
 
 def make_problem(residual_fn, variables, dtype, robust, solver, max_iterations,
-                 max_attempts, geodesic_acceleration=False):
+                 max_attempts, geodesic_acceleration=False, history=False):
     """A `Problem`; ``geodesic_acceleration`` as `least_squares` takes it."""
     geodesic = None
     if geodesic_acceleration:
         alpha = 0.75 if geodesic_acceleration is True else float(geodesic_acceleration)
         geodesic = geodesic_lib.GeodesicAcceleration(residual_fn, alpha=alpha)
     return Problem(residual_fn, list(variables), dtype, robust, solver,
-                   max_iterations, max_attempts, geodesic)
+                   max_iterations, max_attempts, geodesic, history)
 
 
 class Tolerances(NamedTuple):
@@ -184,6 +188,7 @@ class Linearizer:
         self.step_fn = (problem.residual_fn if robust.is_linear
                         else robust.scaled(problem.residual_fn, problem.dtype))
         self._traced = {}
+        self.history = None   # run_phase's per-iteration record, when kept
 
     def here(self, form):
         p = self.problem
@@ -250,10 +255,12 @@ def step_code(problem, tolerances, info):
 
 
 def iteration(problem, linearize, box, tolerances, scaling, controller,
-              it, reason, state, last_cost, largest):
+              it, reason, state, last_cost, largest, *history):
     """One iteration of a phase's loop: linearise, stop on a small gradient
     or take a step. The loop's carry: ``(it, reason, state, cost, largest
-    column norms)``."""
+    column norms)``, and with ``problem.history`` a ``[max_iterations, 4]``
+    record of each iteration's cost, step norm, damping and acceptance
+    (a dense tensor written at row ``it``: no host op in the loop)."""
     del reason, last_cost
     lin = held(problem, box, linearize())
     largest = tf.maximum(largest, column_norms(lin))
@@ -266,13 +273,21 @@ def iteration(problem, linearize, box, tolerances, scaling, controller,
             controller=controller, scaling=scaling, solver=problem.solver,
             max_attempts=problem.max_attempts, geodesic=problem.geodesic,
             bounds=box)
-        return new_state, info.new_cost, step_code(problem, tolerances, info)
+        return (new_state, info.new_cost, step_code(problem, tolerances, info),
+                info.step_norm, tf.cast(info.accepted, problem.dtype))
 
-    new_state, new_cost, code = tf.cond(
+    zero = tf.zeros([], problem.dtype)
+    new_state, new_cost, code, step_norm, accepted = tf.cond(
         grad_small,
-        lambda: (state, lin.cost, tf.constant(_code(StopReason.GRADIENT_TOLERANCE))),
+        lambda: (state, lin.cost, tf.constant(_code(StopReason.GRADIENT_TOLERANCE)),
+                 zero, zero),
         take_step)
-    return it + 1, code, new_state, new_cost, largest
+    if not history:
+        return it + 1, code, new_state, new_cost, largest
+    row = tf.stack([lin.cost, tf.cast(step_norm, problem.dtype),
+                    tf.cast(new_state.damping, problem.dtype), accepted])
+    record = tf.tensor_scatter_nd_update(history[0], [[it]], row[None])
+    return it + 1, code, new_state, new_cost, largest, record
 
 
 def run_phase(problem, linearize, box, tolerances, scaling, controller, start_cost):
@@ -290,11 +305,15 @@ def run_phase(problem, linearize, box, tolerances, scaling, controller, start_co
         return iteration(problem, linearize, box, tolerances, scaling, controller,
                          *carry)
 
-    it, code, state, _, largest = tf.while_loop(
+    carry = (tf.constant(0), tf.where(finite, 0, _code(StopReason.NON_FINITE_START)),
+             state, tf.constant(0.0, dtype), tf.zeros([num_params], dtype))
+    if problem.history:
+        carry += (tf.zeros([problem.max_iterations, 4], dtype),)
+    it, code, state, _, largest, *record = tf.while_loop(
         lambda it, reason, *_: (reason == 0) & (it < problem.max_iterations), body,
-        (tf.constant(0), tf.where(finite, 0, _code(StopReason.NON_FINITE_START)),
-         state, tf.constant(0.0, dtype), tf.zeros([num_params], dtype)),
-        maximum_iterations=problem.max_iterations)
+        carry, maximum_iterations=problem.max_iterations)
+    if record:  # read by `solve` (one phase only: least_squares refuses more)
+        linearize.history = record[0]
     code = tf.where(code == 0, _code(StopReason.ITERATION_LIMIT), code)
     final = linearize.final()
     code, cosine, blind = final_code(problem, box, code, final, largest, start_cost)
@@ -431,8 +450,9 @@ def solve(problem, tolerances, box, phases, with_covariance):
     optimality = tf.reduce_max(tf.abs(scaled))
     pcov = (covariance(final.jacobian, final.cost)
             if with_covariance and final.jacobian is not None else None)
-    return (out.iterations, out.code, out.damping, final.cost, optimality,
-            out.stationarity, x, fun, final.jacobian, final.jtr, mask, pcov)
+    result = (out.iterations, out.code, out.damping, final.cost, optimality,
+              out.stationarity, x, fun, final.jacobian, final.jtr, mask, pcov)
+    return result + (linearize.history,) if problem.history else result
 
 
 def covariance(jac, cost_value):
