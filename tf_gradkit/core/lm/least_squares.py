@@ -299,7 +299,8 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
     if history:
         _print_history(out[13].numpy()[:int(it)])
     if verbose:
-        print(f"least_squares: {StopReason(int(code)).description}. Iterations "
+        print(f"least_squares: {whole_solve.reason_text(REASONS, code, stopped_by)}. "
+              f"Iterations "
               f"{int(it)}, final cost {float(cost):.4e}, first-order optimality "
               f"{float(optimality):.2e}.")
     return LeastSquaresResult(cost=cost, iterations=it,

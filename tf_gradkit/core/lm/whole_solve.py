@@ -476,7 +476,8 @@ def assign(variables, flat):
 def solve(problem, tolerances, box, phases, with_covariance):
     """The whole solve: ``(iterations, code, damping, cost, optimality,
     stationarity, x, fun, jac, grad, active_mask, covariance, stopped_by)``
-    (``stopped_by``: `PhaseResult.stopped_by`, for `reason_text`).
+    (``stopped_by``: `PhaseResult.stopped_by`, for `reason_text`), and with
+    ``problem.history`` the verbose=2 record after them.
 
     Args:
       problem: the `Problem`.
