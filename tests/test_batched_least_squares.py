@@ -77,6 +77,8 @@ def problems(batch, n_max, seed, dtype=np.float64, ragged=True):
 
 def assert_same(fit, b, ref, rtol=1e-8, atol=1e-10, cov_rtol=1e-6):
     assert int(fit.status[b]) == int(ref.reason_code), (b, fit.reason[b], ref.reason)
+    assert int(fit.stopped_by[b]) == int(ref.stopped_by), b
+    assert fit.reason[b] == ref.reason, b
     assert int(fit.iterations[b]) == int(ref.iterations), b
     assert bool(fit.converged[b]) == bool(ref.converged), b
     np.testing.assert_allclose(fit.x[b].numpy(), ref.x.numpy(), rtol=rtol, atol=atol)

@@ -197,10 +197,91 @@ def test_bound_the_model_ignores_does_not_end_the_fit(batch):
 # -- item 10: words --------------------------------------------------------------
 
 def test_stalled_label_names_the_tolerances_and_docs_agree():
-    label = REASONS[StopReason.STALLED]
+    label = REASONS[StopReason.STALLED]  # by status alone: which is not known
     assert "xtol or ftol" in label and "tighten" in label
     with open("docs/levenberg_marquardt.md") as f:
-        assert "`stalled: xtol or ftol ...`" in f.read()
+        text = f.read()
+    for tolerance in ("xtol", "ftol", "gtol"):
+        assert f"`stalled: {tolerance} ...`" in text
+    with open("docs/batched_fits.md") as f:
+        assert "`stalled: ftol ...`" in f.read()
+
+
+# r = exp(x) - 1 (one residual, minimum 0 at x = 0), stopped after its first
+# step by one loose tolerance, the other at its default (1e-8, far below the
+# step of ~1 and the decrease of ~half the cost that step makes):
+# - xtol=1e3: |dx| <= xtol (xtol + |x|) holds for any step (the step test);
+# - ftol=1.0: cost - new_cost <= ftol cost holds for any accepted step (the
+#   decrease test), here from x = 1, close to the minimum.
+# Both stop where exp(x1) / exp(x0) (the cosine, `stationarity`) is far above
+# 1e-3 and r is not round-off: status 6, and the text names the one set loose.
+STOPS = {"xtol": (3.0, {"xtol": 1e3}), "ftol": (1.0, {"ftol": 1.0})}
+
+
+def _names_only(reason, tolerance):
+    other = "ftol" if tolerance == "xtol" else "xtol"
+    assert reason.startswith(f"stalled: {tolerance} stopped the fit"), reason
+    assert f"tighten {tolerance} to go on" in reason and other not in reason, reason
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("tolerance", sorted(STOPS))
+def test_single_stall_names_the_tolerance_that_stopped_it(tolerance, mode):
+    start, loose = STOPS[tolerance]
+    x = tf.Variable([start], dtype=F64)
+
+    def fit():
+        x.assign([start])
+        result = tf_gradkit.least_squares(lambda: tf.exp(x) - 1.0, [x],
+                                          jit_compile=mode == "xla", **loose)
+        return result.reason_code, result.stopped_by, result.reason, result.iterations
+
+    # The solve inside a tf.function for "graph" (the text is a string
+    # tensor there); its own XLA compile for "xla".
+    code, stopped_by, reason, iterations = (tf.function(fit) if mode == "graph"
+                                            else fit)()
+    assert int(code) == StopReason.STALLED and int(iterations) == 1
+    assert int(stopped_by) == {"xtol": 2, "ftol": 3}[tolerance]
+    _names_only(reason.numpy().decode() if mode == "graph" else reason, tolerance)
+    # The independent check: the named test holds at the point reached, the
+    # other does not (x moved ~1, the cost fell by more than 1e-8 of itself).
+    x1 = float(x[0])
+    step, drop = abs(x1 - start), (np.expm1(start) ** 2 - np.expm1(x1) ** 2) / 2
+    assert step > 1e-8 * (1e-8 + abs(x1)) and drop > 1e-8 * np.expm1(start) ** 2 / 2
+    assert 0.0 < x1 < start
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("tolerance", sorted(STOPS))
+def test_batched_stall_names_the_tolerance_that_stopped_it(tolerance, jit_compile):
+    start, loose = STOPS[tolerance]
+    # Row 1 starts at the minimum: gtol stops it there, converged, no stall.
+    res = tf_gradkit.least_squares_batched(
+        lambda q: tf.exp(q) - 1.0, np.array([[start], [0.0]]),
+        jit_compile=jit_compile, **loose)
+    np.testing.assert_array_equal(res.status.numpy(), [6, 1])
+    np.testing.assert_array_equal(res.stopped_by.numpy(),
+                                  [{"xtol": 2, "ftol": 3}[tolerance], 0])
+    _names_only(res.reason[0], tolerance)
+    assert res.reason[1] == REASONS[StopReason.GRADIENT_TOLERANCE]
+    # Statuses 7-9 keep their numbers and texts.
+    assert batched.BATCHED_REASONS[batched.INFEASIBLE_START].startswith("infeasible")
+    assert (batched.NON_FINITE_START, batched.INFEASIBLE_START,
+            batched.NO_DATA) == (7, 8, 9)
+
+
+def test_one_table_of_stall_texts():
+    from tf_gradkit.core.lm import whole_solve  # noqa: PLC0415
+    texts = whole_solve.reason_text(fitting.BATCHED_REASONS,
+                                    np.array([6, 6, 6, 6, 6, 2, 9]),
+                                    np.array([0, 1, 2, 3, 4, 0, 0]))
+    assert list(texts) == list(whole_solve.STALLED_TEXTS) + [
+        REASONS[2], fitting.BATCHED_REASONS[9]]
+    assert texts[0] == REASONS[StopReason.STALLED]
+    assert texts[1].startswith("stalled: gtol") and "tighten gtol" in texts[1]
+    # A step below round-off: no tolerance would have let it go on.
+    assert texts[4].startswith("stalled: a step below round-off")
+    assert "tighten" not in texts[4]
 
 
 def test_refusals_name_the_argument():

@@ -274,7 +274,7 @@ def test_bvp():
     assert float(res.cost) < 0.5
     # scipy calls this ftol=1e-2 stop a success; ours ends at the same kind
     # of point, cost 0.29 with the gradient far from 0, and says so.
-    assert res.reason.startswith("stalled"), res.reason
+    assert res.reason.startswith("stalled: ftol stopped the fit"), res.reason
 
 
 def test_error_raised_when_all_tolerances_below_eps():

@@ -22,6 +22,7 @@ import tensorflow as tf
 from tf_gradkit.core.lm import batched_parts as parts
 from tf_gradkit.core.lm import damping as damping_lib
 from tf_gradkit.core.lm.least_squares import REASONS, STATIONARY_COSINE
+from tf_gradkit.core.lm.whole_solve import ROUND_OFF_STEP
 from tf_gradkit.core.lm.least_squares import NON_FINITE_START as _NON_FINITE
 
 NON_FINITE_START = int(_NON_FINITE)
@@ -64,6 +65,7 @@ class BatchedSolution(NamedTuple):
     factor: tf.Tensor        # [B, P, P] R of a QR of jac (for the covariance)
     fun: tf.Tensor = None    # [B, N] the residuals at x (full_output)
     jac: tf.Tensor = None    # [B, N, P] robust-scaled as scipy's (full_output)
+    stopped_by: tf.Tensor = None  # [B] int64 (`whole_solve.reason_text`)
 
 
 class _Run(NamedTuple):
@@ -74,6 +76,7 @@ class _Run(NamedTuple):
     cost: tf.Tensor
     stationarity: tf.Tensor
     blind: tf.Tensor  # [B, P] on a bound the residuals ignore (`Bounds.blind`)
+    stopped_by: tf.Tensor  # [B] int64: a stall's tolerance code, else 0
 
 
 def solve(residual_fn, x0, options, counts, box=None, full_output=False):
@@ -147,7 +150,7 @@ def solve(residual_fn, x0, options, counts, box=None, full_output=False):
         stationarity=out.stationarity, grad=final.jtr, active_mask=mask,
         factor=parts.triangular_factor(final.jacobian),
         fun=residual_fn(x) if full_output else None,
-        jac=final.jacobian if full_output else None)
+        jac=final.jacobian if full_output else None, stopped_by=out.stopped_by)
 
 
 def _run(residual_fn, cost_fn, robust, held, box, x0, start_code, start_cost,
@@ -163,7 +166,7 @@ def _run(residual_fn, cost_fn, robust, held, box, x0, start_code, start_cost,
     scale0 = tf.broadcast_to(scaling.init(p, dtype), [batch, p])
     sqrt_eps = tf.constant(np.sqrt(eps), dtype)
 
-    def body(x, it, code, damping, nu, scale, largest):
+    def body(x, it, code, damping, nu, scale, largest, test):
         active = (code == 0) & (it < options.max_iterations)
         lin = held(robust.linearize(residual_fn, x, solver.needs_jacobian), x)
         new_largest = tf.maximum(largest, parts.column_norms(lin))
@@ -191,6 +194,8 @@ def _run(residual_fn, cost_fn, robust, held, box, x0, start_code, start_cost,
             exhausted, c(5), tf.where(small_step, c(2), tf.where(small_drop, c(3),
                                                                  c(0))))))
         new_code = tf.where(grad_small, c(1), step_code)
+        # Which test stopped it (`whole_solve.step_code`'s, for the text).
+        new_test = tf.where(tiny & ~flat & ~grad_small, c(ROUND_OFF_STEP), new_code)
         moved = stepping[:, None]
         return (tf.where(moved, new_x, x),
                 tf.where(active, it + 1, it),
@@ -198,14 +203,15 @@ def _run(residual_fn, cost_fn, robust, held, box, x0, start_code, start_cost,
                 tf.where(stepping, dstate.damping, damping),
                 tf.where(stepping, dstate.nu, nu),
                 tf.where(moved, new_scale, scale),
-                tf.where(active[:, None], new_largest, largest))
+                tf.where(active[:, None], new_largest, largest),
+                tf.where(active, new_test, test))
 
-    x, it, code, damping, _, _, largest = tf.while_loop(
+    x, it, code, damping, _, _, largest, test = tf.while_loop(
         lambda x, it, code, *_: tf.reduce_any(
             (code == 0) & (it < options.max_iterations)),
         body,
         (x0, tf.zeros([batch], tf.int64), start_code, damping0, nu0, scale0,
-         tf.zeros([batch, p], dtype)),
+         tf.zeros([batch, p], dtype), tf.zeros([batch], tf.int64)),
         maximum_iterations=options.max_iterations)
     code = tf.where(code == 0, tf.constant(4, tf.int64), code)
     final = robust.linearize(residual_fn, x)
@@ -227,9 +233,10 @@ def _run(residual_fn, cost_fn, robust, held, box, x0, start_code, start_cost,
                           eps) & ((code >= 1) & (code <= 3)
                                   & (final.cost > eps * start_cost))[:, None]
         far = far | tf.reduce_any(blind, axis=-1)
+    stopped_by = tf.where(far, test, tf.zeros_like(test))
     code = tf.where(far, tf.constant(6, tf.int64), code)
     return _Run(x=x, iterations=it, status=code, damping=damping, cost=final.cost,
-                stationarity=cosine, blind=blind)
+                stationarity=cosine, blind=blind, stopped_by=stopped_by)
 
 
 def _off_bounds(run, box, x0, out, phase):

@@ -25,6 +25,7 @@ from tf_gradkit.core.lm import fixed as fixed_lib
 from tf_gradkit.core.lm import poisson
 from tf_gradkit.core.lm import small
 from tf_gradkit.core.lm import solve_cache
+from tf_gradkit.core.lm import whole_solve
 from tf_gradkit.core.lm.parts import resolve_part
 from tf_gradkit.core.lm.robust import RobustLoss
 
@@ -51,6 +52,8 @@ class BatchedFitResult(NamedTuple):
         step, 6 a step or cost tolerance met away from a stationary point,
         7 non-finite start (the parameters, data or residuals), 8
         infeasible start, 9 no data (every point masked).
+      stopped_by: ``[B]`` int64: for status 6 the code of the test that
+        stopped the fit (1 gtol, 2 xtol, 3 ftol), else 0 (`reason` names it).
       iterations: ``[B]`` LM iterations run (both phases of "hybrid").
       covariance: ``[B, P, P]`` the parameters' covariance (`curve_fit`'s
         ``pcov``; with ``absolute_sigma=False`` scaled by ``2 cost / (n - P)``,
@@ -81,12 +84,15 @@ class BatchedFitResult(NamedTuple):
     fun: tf.Tensor = None
     jac: tf.Tensor = None
     undetermined: tf.Tensor = None
+    stopped_by: tf.Tensor = None
 
     @property
     def reason(self):
-        """Why each problem stopped, as text (a numpy array of strings)."""
-        return np.asarray(batched.BATCHED_REASONS, dtype=object)[
-            np.asarray(self.status).astype(np.int64)]
+        """Why each problem stopped, as text (a numpy array of strings); a
+        stall names the tolerance that stopped it (`stopped_by`)."""
+        return whole_solve.reason_text(
+            batched.BATCHED_REASONS, self.status,
+            0 if self.stopped_by is None else self.stopped_by)
 
 
 BATCHED_REASONS = batched.BATCHED_REASONS
@@ -543,7 +549,7 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
         perr=tf.sqrt(tf.linalg.diag_part(cov)), optimality=sol.optimality,
         stationarity=sol.stationarity, damping=sol.damping, grad=sol.grad,
         active_mask=sol.active_mask, fun=sol.fun, jac=sol.jac,
-        undetermined=fit_report.undetermined(cov))
+        undetermined=fit_report.undetermined(cov), stopped_by=sol.stopped_by)
 
 
 def _expand_fixed(sol, cov, free, p, full0):

@@ -82,6 +82,9 @@ class LeastSquaresResult(NamedTuple):
         ``curve_fit`` convention, `fit_report`); NaN for a non-finite start.
       undetermined: True when ``covariance`` is ``inf`` (rank-deficient
         ``jac`` or N <= P); None with a matrix-free solver.
+      stopped_by: int64, for a stall (``reason_code`` 6) the code of the
+        test that stopped the fit (1 gtol, 2 xtol, 3 ftol), else 0: `reason`
+        names it.
     """
 
     cost: tf.Tensor
@@ -98,13 +101,15 @@ class LeastSquaresResult(NamedTuple):
     active_mask: tf.Tensor = None
     covariance: tf.Tensor = None
     undetermined: tf.Tensor = None
+    stopped_by: tf.Tensor = None
 
     @property
     def reason(self):
-        """Why the solve stopped, as text (a string tensor inside graphs)."""
-        if tf.executing_eagerly():
-            return StopReason(int(self.reason_code)).description
-        return tf.gather(tf.constant(REASONS), self.reason_code)
+        """Why the solve stopped, as text (a string tensor inside graphs); a
+        stall names the tolerance that stopped it (`stopped_by`)."""
+        return whole_solve.reason_text(REASONS, self.reason_code,
+                                       0 if self.stopped_by is None
+                                       else self.stopped_by)
 
 
 def least_squares(residual_fn, var_list, max_iterations=100, *,
@@ -281,7 +286,8 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                    robust.f_scale, box is None, geodesic_acceleration,
                    jit_compile, dtype.name, history)
         out = _compiled(build, residual_fn, inputs, jit_compile, key)(*inputs)
-    it, code, damping, cost, optimality, cosine, x, fun, jac, grad, mask, cov = out[:12]
+    (it, code, damping, cost, optimality, cosine, x, fun, jac, grad, mask, cov,
+     stopped_by) = out[:13]
     if cov is not None:
         cov = fit_report.without_covariance(cov, tf.equal(code, NON_FINITE_START))
     if tf.executing_eagerly() and int(code) == StopReason.NON_FINITE_START:
@@ -291,9 +297,10 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
             f"Received: cost {float(cost)} at the values in `var_list`; start "
             "where every residual is finite.")
     if history:
-        _print_history(out[12].numpy()[:int(it)])
+        _print_history(out[13].numpy()[:int(it)])
     if verbose:
-        print(f"least_squares: {StopReason(int(code)).description}. Iterations "
+        print(f"least_squares: {whole_solve.reason_text(REASONS, code, stopped_by)}. "
+              f"Iterations "
               f"{int(it)}, final cost {float(cost):.4e}, first-order optimality "
               f"{float(optimality):.2e}.")
     return LeastSquaresResult(cost=cost, iterations=it,
@@ -303,7 +310,8 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                               x=x, fun=fun, jac=jac, grad=grad,
                               active_mask=mask, covariance=cov,
                               undetermined=(None if cov is None
-                                            else fit_report.undetermined(cov)))
+                                            else fit_report.undetermined(cov)),
+                              stopped_by=stopped_by)
 
 
 def _check_verbose(verbose):
@@ -360,8 +368,8 @@ def _compile(build, residual_fn, inputs, jit_compile):
     def with_covariance(*args):
         out = compiled(*args)
         jac, cost = out[8], out[3]
-        # out[11] is the covariance slot (None here); out[12:] the verbose=2
-        # record when kept.
+        # out[11] is the covariance slot (None here); out[12] stopped_by;
+        # out[13:] the verbose=2 record when kept.
         return out[:11] + (None if jac is None else pcov(jac, cost),) + out[12:]
 
     return with_covariance

@@ -59,16 +59,61 @@ DESCRIPTIONS = {
     StopReason.COST_TOLERANCE: "cost tolerance",
     StopReason.ITERATION_LIMIT: "iteration limit",
     StopReason.NO_ACCEPTABLE_STEP: "no acceptable step (damping exhausted)",
-    StopReason.STALLED: (
-        "stalled: xtol or ftol stopped the fit at a point not shown to be a "
-        "minimum (the gradient is not small next to the residuals, or a "
-        "parameter sits on a bound where the residuals ignore it): tighten "
-        "ftol/xtol to go on; if the cost stays high, try another start or "
-        "rescale the parameters"),
+    StopReason.STALLED: None,  # set below: `stalled_text`
     StopReason.NON_FINITE_START: (
         "non-finite start (the parameters or the residuals at the start are "
         "inf or NaN)"),
 }
+
+
+def stalled_text(tolerance, tighten):
+    """`StopReason.STALLED`'s text naming the ``tolerance`` whose test
+    stopped the fit (a user reads which option to ``tighten``; None where no
+    option's value would have let it go on)."""
+    advice = f"tighten {tighten} to go on; if the cost stays high, " if tighten else ""
+    return (f"stalled: {tolerance} stopped the fit at a point not shown to be "
+            "a minimum (the gradient is not small next to the residuals, or a "
+            f"parameter sits on a bound where the residuals ignore it): {advice}"
+            "try another start or rescale the parameters")
+
+
+# `STALLED`'s text when which test stopped the fit is not given (`REASONS[6]`).
+DESCRIPTIONS[StopReason.STALLED] = stalled_text("xtol or ftol", "ftol/xtol")
+
+# A stalled fit's text by ``stopped_by``, the test that stopped it before
+# `final_code` found the point not a minimum: 1 gtol (only on a bound the
+# residuals ignore), 2 xtol, 3 ftol (a small decrease, or every attempt
+# rejected with the model promising at most ftol), 4 `ROUND_OFF_STEP` (every
+# attempt rejected, the least damped step below round-off: reason_code 2, but
+# no xtol would have gone on); 0 not stalled: the generic text. The single
+# and the batched results both read it (`reason_text`).
+ROUND_OFF_STEP = 4
+STALLED_TEXTS = (DESCRIPTIONS[StopReason.STALLED],
+                 stalled_text("gtol", "gtol"),
+                 stalled_text("xtol", "xtol"),
+                 stalled_text("ftol", "ftol"),
+                 stalled_text("a step below round-off (every attempt rejected)",
+                              None))
+
+
+def reason_text(table, status, stopped_by):
+    """The stop texts: ``table[status]``, or for a stall (status 6) the
+    `STALLED_TEXTS` entry of ``stopped_by``. Eager values give a str or a
+    numpy array of str (as ``status``); graph tensors a string tensor."""
+    if isinstance(status, tf.Tensor) and not tf.executing_eagerly():
+        status = tf.cast(status, tf.int64)
+        stopped_by = tf.cast(stopped_by, tf.int64)
+        return tf.where(tf.equal(status, int(StopReason.STALLED)),
+                        tf.gather(tf.constant(STALLED_TEXTS), stopped_by),
+                        tf.gather(tf.constant(table), status))
+    status = np.asarray(status).astype(np.int64)
+    stopped_by = np.broadcast_to(np.asarray(
+        0 if stopped_by is None else stopped_by).astype(np.int64), status.shape)
+    texts = np.where(status == int(StopReason.STALLED),
+                     np.asarray(STALLED_TEXTS, dtype=object)[stopped_by],
+                     np.asarray(table, dtype=object)[status])
+    return texts if texts.ndim else str(texts[()])
+
 
 # A tolerance stop counts as converged only where r is round-off (see
 # `final_code`) or the gradient is small: the cosine between r and the
@@ -158,6 +203,7 @@ class PhaseResult(NamedTuple):
     cost: tf.Tensor
     stationarity: tf.Tensor
     blind: tf.Tensor
+    stopped_by: tf.Tensor  # int64: the code a stall's tolerance test gave, else 0
 
 
 def cost(problem):
@@ -226,7 +272,9 @@ def column_norms(lin):
 
 
 def step_code(problem, tolerances, info):
-    """The stop code after one step (`step.StepInfo`), 0 to go on.
+    """``(code, test)`` after one step (`step.StepInfo`): the stop code, 0 to
+    go on, and the test that gave it (int64: the code, or `ROUND_OFF_STEP`
+    where a step below round-off gave code 2; `STALLED_TEXTS`).
 
     An accepted step stops on ``xtol`` (a small step) or ``ftol`` (a small
     decrease). Every attempt rejected: converged at round-off if the model
@@ -245,23 +293,27 @@ def step_code(problem, tolerances, info):
     flat = stalled & (info.predicted <= ftol * info.cost)
     tiny = stalled & (info.first_step_norm <= resolution)
     exhausted = stalled & (info.last_step_norm <= resolution)
-    return tf.where(
+    code = tf.where(
         flat, _code(StopReason.COST_TOLERANCE), tf.where(
             tiny, _code(StopReason.STEP_TOLERANCE), tf.where(
                 exhausted, _code(StopReason.NO_ACCEPTABLE_STEP), tf.where(
                     small_step, _code(StopReason.STEP_TOLERANCE), tf.where(
                         small_drop, _code(StopReason.COST_TOLERANCE),
                         _code(StopReason.RUNNING))))))
+    test = tf.where(tiny & ~flat, tf.constant(ROUND_OFF_STEP, tf.int64),
+                    tf.cast(code, tf.int64))
+    return code, test
 
 
 def iteration(problem, linearize, box, tolerances, scaling, controller,
-              it, reason, state, last_cost, largest, *history):
+              it, reason, state, last_cost, largest, test, *history):
     """One iteration of a phase's loop: linearise, stop on a small gradient
     or take a step. The loop's carry: ``(it, reason, state, cost, largest
-    column norms)``, and with ``problem.history`` a ``[max_iterations, 4]``
-    record of each iteration's cost, step norm, damping and acceptance
-    (a dense tensor written at row ``it``: no host op in the loop)."""
-    del reason, last_cost
+    column norms, test)`` (``test``: int64, `step_code`'s), and with
+    ``problem.history`` a ``[max_iterations, 4]`` record of each iteration's
+    cost, step norm, damping and acceptance (a dense tensor written at row
+    ``it``: no host op in the loop)."""
+    del reason, last_cost, test
     lin = held(problem, box, linearize())
     largest = tf.maximum(largest, column_norms(lin))
     grad_small = tf.reduce_max(tf.abs(lin.jtr)) <= tolerances.gtol * tf.maximum(
@@ -273,21 +325,22 @@ def iteration(problem, linearize, box, tolerances, scaling, controller,
             controller=controller, scaling=scaling, solver=problem.solver,
             max_attempts=problem.max_attempts, geodesic=problem.geodesic,
             bounds=box)
-        return (new_state, info.new_cost, step_code(problem, tolerances, info),
-                info.step_norm, tf.cast(info.accepted, problem.dtype))
+        return ((new_state, info.new_cost) + step_code(problem, tolerances, info)
+                + (info.step_norm, tf.cast(info.accepted, problem.dtype)))
 
     zero = tf.zeros([], problem.dtype)
-    new_state, new_cost, code, step_norm, accepted = tf.cond(
+    gtol_code = _code(StopReason.GRADIENT_TOLERANCE)
+    new_state, new_cost, code, test, step_norm, accepted = tf.cond(
         grad_small,
-        lambda: (state, lin.cost, tf.constant(_code(StopReason.GRADIENT_TOLERANCE)),
-                 zero, zero),
+        lambda: (state, lin.cost, tf.constant(gtol_code),
+                 tf.constant(gtol_code, tf.int64), zero, zero),
         take_step)
     if not history:
-        return it + 1, code, new_state, new_cost, largest
+        return it + 1, code, new_state, new_cost, largest, test
     row = tf.stack([lin.cost, tf.cast(step_norm, problem.dtype),
                     tf.cast(new_state.damping, problem.dtype), accepted])
     record = tf.tensor_scatter_nd_update(history[0], [[it]], row[None])
-    return it + 1, code, new_state, new_cost, largest, record
+    return it + 1, code, new_state, new_cost, largest, test, record
 
 
 def run_phase(problem, linearize, box, tolerances, scaling, controller, start_cost):
@@ -306,18 +359,22 @@ def run_phase(problem, linearize, box, tolerances, scaling, controller, start_co
                          *carry)
 
     carry = (tf.constant(0), tf.where(finite, 0, _code(StopReason.NON_FINITE_START)),
-             state, tf.constant(0.0, dtype), tf.zeros([num_params], dtype))
+             state, tf.constant(0.0, dtype), tf.zeros([num_params], dtype),
+             tf.constant(0, tf.int64))
     if problem.history:
         carry += (tf.zeros([problem.max_iterations, 4], dtype),)
-    it, code, state, _, largest, *record = tf.while_loop(
+    it, code, state, _, largest, test, *record = tf.while_loop(
         lambda it, reason, *_: (reason == 0) & (it < problem.max_iterations), body,
         carry, maximum_iterations=problem.max_iterations)
     if record:  # read by `solve` (one phase only: least_squares refuses more)
         linearize.history = record[0]
     code = tf.where(code == 0, _code(StopReason.ITERATION_LIMIT), code)
     final = linearize.final()
-    code, cosine, blind = final_code(problem, box, code, final, largest, start_cost)
-    return PhaseResult(it, code, state.damping, final.cost, cosine, blind), final
+    stalled, cosine, blind = final_code(problem, box, code, final, largest,
+                                        start_cost)
+    stopped_by = tf.where(stalled == code, tf.constant(0, tf.int64), test)
+    return PhaseResult(it, stalled, state.damping, final.cost, cosine, blind,
+                       stopped_by), final
 
 
 def final_code(problem, box, code, final, largest, start_cost):
@@ -418,7 +475,9 @@ def assign(variables, flat):
 
 def solve(problem, tolerances, box, phases, with_covariance):
     """The whole solve: ``(iterations, code, damping, cost, optimality,
-    stationarity, x, fun, jac, grad, active_mask, covariance)``.
+    stationarity, x, fun, jac, grad, active_mask, covariance, stopped_by)``
+    (``stopped_by``: `PhaseResult.stopped_by`, for `reason_text`), and with
+    ``problem.history`` the verbose=2 record after them.
 
     Args:
       problem: the `Problem`.
@@ -451,7 +510,8 @@ def solve(problem, tolerances, box, phases, with_covariance):
     pcov = (covariance(final.jacobian, final.cost)
             if with_covariance and final.jacobian is not None else None)
     result = (out.iterations, out.code, out.damping, final.cost, optimality,
-              out.stationarity, x, fun, final.jacobian, final.jtr, mask, pcov)
+              out.stationarity, x, fun, final.jacobian, final.jtr, mask, pcov,
+              out.stopped_by)
     return result + (linearize.history,) if problem.history else result
 
 
