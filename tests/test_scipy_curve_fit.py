@@ -5,7 +5,7 @@ Each test of ``TestLeastSq`` and ``TestCurveFit`` in
 ``scipy/optimize/tests/test_minpack.py`` (scipy 1.17, BSD-3-Clause, (c) the
 SciPy developers) appears here under its scipy name: its scenario run
 against our API, or a skip whose reason names what has no counterpart
-(analytic ``jac=``/``Dfun=``, ``method=``, ``nan_policy=``, a 2-D ``sigma``,
+(``least_squares``'s ``Dfun=``, finite-difference ``jac`` schemes, ``method=``, ``nan_policy=``, a 2-D ``sigma``,
 MINPACK's thread-safety). The problems and expected numbers are scipy's;
 where our API answers differently on purpose (a refusal or a status where
 scipy raises or broadcasts), the test says "adapted" and asserts our
@@ -29,7 +29,8 @@ from tf_gradkit.core.lm.fit_report import CovarianceWarning
 pytestmark = pytest.mark.keras_free
 
 F64 = tf.float64
-NO_JAC = "no counterpart: the Jacobian is TensorFlow's autodiff (no jac=/Dfun=)"
+NO_JAC = ("no counterpart: least_squares takes no Dfun= (its Jacobian is TensorFlow's "
+          "autodiff; curve_fit's jac= is ported in TestCurveFit.test_jac)")
 NO_METHOD = "no counterpart: one method (LM with a trust region), no method="
 NO_COV2D = "no counterpart: sigma is 1-D (per point); a 2-D covariance sigma is refused"
 
@@ -361,16 +362,31 @@ class TestCurveFit:
         assert_allclose(free.x.numpy(), boxed.x.numpy())
         assert_allclose(boxed.x.numpy(), [2 * np.pi])
 
-    def test_jac(self):
-        # The analytic-jac parts have no counterpart; the outlier with a
-        # large sigma is ported.
+    @pytest.mark.parametrize("jit_compile", [False, True])
+    def test_jac(self, jit_compile):
+        # scipy's finite-difference schemes have no counterpart (autodiff);
+        # the analytic jac is ours as a TensorFlow callable [B, N, P] (the
+        # model's Jacobian, divided by sigma as scipy does), then the outlier
+        # with a large sigma, with and without it.
+        def decay_jac(x, p):
+            e = tf.exp(-p[:, 1:2] * x)
+            return tf.stack([e, -p[:, :1] * x * e], -1)
+
         xdata = np.linspace(0, 1, 11)
         ydata = 2. * np.exp(-2. * xdata)
+        res = fit(decay, xdata, ydata, [1., 1.], jac=decay_jac, jit_compile=jit_compile)
+        assert_allclose(res.x.numpy(), [2, 2])
+        # The control: the jac is what steps (a negated one steps uphill, never accepted).
+        wrong = fit(decay, xdata, ydata, [1., 1.], jac=lambda x, p: -decay_jac(x, p),
+                    jit_compile=jit_compile)
+        assert np.max(np.abs(wrong.x.numpy() - 2.0)) > 0.5
         ydata[5] = 100
         sigma = np.ones(11)
         sigma[5] = 200
-        res = fit(decay, xdata, ydata, [1., 1.], sigma=sigma)
-        assert_allclose(res.x.numpy(), [2, 2], rtol=1e-3)
+        for jac in (decay_jac, None):
+            res = fit(decay, xdata, ydata, [1., 1.], sigma=sigma, jac=jac,
+                      jit_compile=jit_compile)
+            assert_allclose(res.x.numpy(), [2, 2], rtol=1e-3)
 
     def test_maxfev_and_bounds(self):
         x = np.arange(0., 10)
