@@ -252,3 +252,22 @@ def test_half_precision_variables_are_summed_in_float32(mode):
     # Handed on in the variable's dtype: the gradient itself is what overflows.
     (handed,) = A.window_gradients(A.window_sums(state), "sum", 1.0, dtypes=[w.dtype])
     assert handed.dtype == tf.float16 and not np.isfinite(handed.numpy()).any()
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_narrowed_finite_is_the_cast_rounding_to_inf(jit):
+    """A float32 value fits float16 below 65520 (from there the cast rounds to
+    Inf); NaN never fits; bfloat16's limit is near float32's max; gradients
+    kept in their own dtype are not tested. The test reads the float32 value
+    (no cast round trip that XLA may drop on a GPU)."""
+    check = tf.function(A.narrowed_finite, jit_compile=jit)
+
+    def fits(value, dtype):
+        return bool(check([tf.constant([1.0, value], tf.float32)], [dtype]))
+
+    assert fits(65519.0, tf.float16) and fits(-65519.0, tf.float16)
+    assert not fits(65520.0, tf.float16) and not fits(-1e5, tf.float16)
+    assert np.isinf(np.float16(np.float32(65520.0))) and np.isfinite(np.float16(np.float32(65519.0)))
+    assert not fits(float("nan"), tf.float16) and not fits(float("nan"), tf.bfloat16)
+    assert fits(3.0e38, tf.bfloat16) and fits(1e5, tf.bfloat16)
+    assert fits(float("inf"), tf.float32)          # its own dtype: the window's test covers it

@@ -527,7 +527,11 @@ class GradientAccumulator(Wrapper):
         if all(acc.dtype == v.dtype for acc, v in
                zip(self._state.acc_grads, self._built_variables())):
             return tf.constant(True)
-        return accumulation.narrowed_finite(*self._window_gradients(total_weight))
+        sums, _ = self._window_gradients(total_weight)
+        replicas = (1 if getattr(self, "_input_aggregated", False)
+                    else tf.distribute.get_strategy().num_replicas_in_sync)
+        wide = accumulation.window_gradients(sums, self.reduction, total_weight, replicas)
+        return accumulation.narrowed_finite(wide, [v.dtype for v in self._built_variables()])
 
     def _apply_window(self, total_weight, has_grad):
         _, grads = self._window_gradients(total_weight)

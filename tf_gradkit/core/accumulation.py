@@ -63,6 +63,7 @@ optax ``MultiSteps`` (a named state per rule).
 
 from typing import Callable, List, NamedTuple, Optional
 
+import ml_dtypes
 import tensorflow as tf
 
 REDUCTIONS = ("example", "microbatch", "sum")
@@ -341,14 +342,28 @@ def window_gradients(sums, reduction, total_weight, num_replicas=1, dtypes=None)
     return out
 
 
-def narrowed_finite(sums, grads):
-    """True when every gradient of ``grads`` (`window_gradients`) that was
-    narrowed from a wider sum of ``sums`` holds no NaN or Inf. A float32 sum
-    that is finite can still overflow the variable's 16-bit dtype when cast
-    (or when divided by a window weight below 1); the window's own test
-    (`window_finite`) reads the sums, so these are tested after the cast.
-    Sums handed on in their own dtype are not tested again."""
-    checks = [_finite_sum(g) for s, g in zip(sums, grads) if g.dtype != s.dtype]
+def narrowed_finite(wide, dtypes):
+    """True when every gradient of ``wide`` (`window_gradients` without
+    ``dtypes``: divided in its sum's dtype) that will be narrowed to its
+    variable's dtype in ``dtypes`` fits it: no NaN, and below the magnitude
+    from which the cast rounds to Inf. A float32 sum that is finite can still
+    overflow a 16-bit variable's dtype when cast (or when divided by a window
+    weight below 1); the window's own test (`window_finite`) reads the sums.
+
+    Tested on the wide value by one comparison, not by ``is_finite`` of the
+    cast value: XLA may drop a float32 -> float16 -> float32 round trip
+    (``xla_allow_excess_precision``, on by default), and on an H200 under
+    ``jit_compile`` that hid the overflow. Gradients handed on in their own
+    dtype are not tested again."""
+    checks = []
+    for g, dtype in zip(wide, dtypes):
+        dtype = tf.as_dtype(dtype)
+        if dtype == g.dtype:
+            continue
+        info = ml_dtypes.finfo(dtype.as_numpy_dtype)
+        # Values at or above max + ulp(max) / 2 round to Inf (to nearest, ties to even).
+        limit = float(info.max) * (1.0 + 0.5 * float(info.eps) / (2.0 - float(info.eps)))
+        checks.append(tf.reduce_all(tf.abs(g) < tf.constant(limit, g.dtype)))
     return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
 
 
