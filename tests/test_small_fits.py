@@ -128,12 +128,14 @@ class _Context:
 
 
 @pytest.mark.parametrize("environ, started, expect", [
-    ({}, False, "default"),
-    ({"TF_XLA_FLAGS": "--tf_xla_auto_jit=2"}, False, "appended"),
+    ({}, False, None),                                    # off unless asked for
+    ({"TF_GRADKIT_XLA_CACHE": "1"}, False, "default"),
+    ({"TF_GRADKIT_XLA_CACHE": "1", "TF_XLA_FLAGS": "--tf_xla_auto_jit=2"}, False, "appended"),
     ({"TF_GRADKIT_XLA_CACHE": "0"}, False, None),
     ({"TF_GRADKIT_XLA_CACHE": "/some/dir"}, False, "/some/dir"),
-    ({"TF_XLA_FLAGS": "--tf_xla_persistent_cache_directory="}, False, None),
-    ({}, True, None),
+    ({"TF_GRADKIT_XLA_CACHE": "1", "TF_XLA_FLAGS": "--tf_xla_persistent_cache_directory="},
+     False, None),
+    ({"TF_GRADKIT_XLA_CACHE": "1"}, True, None),
 ])
 def test_xla_cache_rules(monkeypatch, environ, started, expect):
     """The flag is added only where it can apply and the user chose nothing."""
@@ -166,8 +168,9 @@ def test_xla_cache_fills_in_a_fresh_process_and_leaves_the_environment(tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-2:] == ["None", "True"], out.stdout
     assert any(name.endswith(".pb") for name in os.listdir(tmp_path)), os.listdir(tmp_path)
-    # The control: opted out, the default directory (under XDG_CACHE_HOME) is not made.
-    env["TF_GRADKIT_XLA_CACHE"], env["XDG_CACHE_HOME"] = "0", str(tmp_path / "home")
+    # The control: not asked for, the default directory (under XDG_CACHE_HOME) is not made.
+    del env["TF_GRADKIT_XLA_CACHE"]
+    env["XDG_CACHE_HOME"] = str(tmp_path / "home")
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.split()[-2:] == ["None", "True"], out.stderr[-2000:]

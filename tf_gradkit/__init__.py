@@ -4,8 +4,8 @@ Public names resolve to the Keras flavour that ``tf.keras`` is in this process
 (Keras 3 by default, tf_keras when ``TF_USE_LEGACY_KERAS=1``); both flavours are
 reachable explicitly as ``tf_gradkit.keras3`` and ``tf_gradkit.tf_keras``.
 Importing tf_gradkit has TensorFlow read a persistent XLA cache directory
-(unless the user named one in ``TF_XLA_FLAGS`` or set ``TF_GRADKIT_XLA_CACHE=0``;
-`core/xla_cache.py`), leaves the environment as it was, and imports no Keras of its
+where ``TF_GRADKIT_XLA_CACHE`` asks for one (`core/xla_cache.py`), leaves the
+environment as it was, and imports no Keras of its
 own; it registers its classes with each Keras that is imported (TensorFlow
 imports the one ``tf.keras`` is; another one when its import finishes), so
 that ``import tf_gradkit`` is all ``load_model`` needs.

@@ -1,4 +1,4 @@
-"""TensorFlow's persistent XLA compilation cache, on by default.
+"""TensorFlow's persistent XLA compilation cache, on request (``TF_GRADKIT_XLA_CACHE``).
 
 Why: a compiled batched fit (`curve_fit`, `least_squares_batched`) costs
 seconds of CPU to compile, in every new process, longer than the fits
@@ -13,8 +13,11 @@ on TF 2.21: setting it after ``import tensorflow`` but before the first op
 works; after the first op it is ignored). So `configure` runs when
 tf_gradkit is imported (this module's import), and only adds the flag when:
 
-- ``TF_GRADKIT_XLA_CACHE`` is not "0" (the opt-out; any other value is the
-  directory to use),
+- ``TF_GRADKIT_XLA_CACHE`` asks for it: "1" for the default directory, any
+  other value but "0" for that directory. It is off by default: on TF 2.21
+  each program loaded from the cache logs an ERROR (its text-format parse is
+  tried first) and a warning about machine features that could raise SIGILL,
+  on every run, which a user who did not ask for the cache should not see,
 - ``TF_XLA_FLAGS`` does not already name a persistent cache directory (the
   user's choice wins, and so does their "" to switch it off),
 - the eager context has not started yet (then the flag could not apply and
@@ -59,14 +62,14 @@ def configure(environ=None, read_flags=_read_flags_now):
     or None."""
     environ = os.environ if environ is None else environ
     choice = environ.get(ENV, "")
-    if choice == "0":
+    if choice in ("", "0"):
         return None
     flags = environ.get("TF_XLA_FLAGS", "")
     if FLAG in flags:
         return None
     if _context.context_safe() is not None and _context.context_safe()._context_handle:
         return None
-    directory = choice or default_directory()
+    directory = default_directory() if choice == "1" else choice
     before = environ.get("TF_XLA_FLAGS")
     environ["TF_XLA_FLAGS"] = f"{flags} {FLAG}={directory}".strip()
     try:
