@@ -506,16 +506,17 @@ class GradientAccumulator(Wrapper):
             "per set of variables that train together (after freezing or unfreezing "
             "layers, compile with a new GradientAccumulator).")
 
-    def _window_gradients(self, total_weight):
+    def _window_gradients(self, total_weight, narrow=True):
         """``(sums, grads)``: this replica's share of the window's sums and the
-        gradients it hands on (in the variables' dtypes)."""
+        gradients it hands on (in the variables' dtypes; with ``narrow=False``
+        still in the sums' dtypes)."""
         replicas = (1 if getattr(self, "_input_aggregated", False)
                     else tf.distribute.get_strategy().num_replicas_in_sync)
         dtypes = [v.dtype for v in self._built_variables()]
         sums = distributed_window.widened_sums_on_one_replica(
             accumulation.window_sums(self._state), dtypes)
         return sums, accumulation.window_gradients(sums, self.reduction, total_weight,
-                                                   replicas, dtypes=dtypes)
+                                                   replicas, dtypes=dtypes if narrow else None)
 
     def _gradients_finite(self, total_weight):
         """Whether the gradients this replica would hand on are finite where
@@ -527,10 +528,7 @@ class GradientAccumulator(Wrapper):
         if all(acc.dtype == v.dtype for acc, v in
                zip(self._state.acc_grads, self._built_variables())):
             return tf.constant(True)
-        sums, _ = self._window_gradients(total_weight)
-        replicas = (1 if getattr(self, "_input_aggregated", False)
-                    else tf.distribute.get_strategy().num_replicas_in_sync)
-        wide = accumulation.window_gradients(sums, self.reduction, total_weight, replicas)
+        _, wide = self._window_gradients(total_weight, narrow=False)
         return accumulation.narrowed_finite(wide, [v.dtype for v in self._built_variables()])
 
     def _apply_window(self, total_weight, has_grad):
