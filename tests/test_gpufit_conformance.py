@@ -253,9 +253,12 @@ def test_consistency(name):
         warnings.simplefilter("ignore")  # linear_fit_1d: N == P, no covariance
         graph = fit(model, x, y, start, max_iterations=limit)
         xla = fit(model, x, y, start, max_iterations=limit, jit_compile=True)
-    assert int(graph.status) == int(xla.status)
-    assert int(graph.iterations) == int(xla.iterations)
-    # Same iteration in another compiler: round-off of a converged fit.
+    # Same iteration in another compiler. On noise-free data the last
+    # iteration ends at round-off, where gtol (gradient ~ 0) and xtol (step
+    # ~ 0) may trip in either order or one iteration apart: both must call
+    # it converged (or both not), at the same point.
+    assert bool(graph.converged) == bool(xla.converged), (graph.reason, xla.reason)
+    assert abs(int(graph.iterations) - int(xla.iterations)) <= 1
     np.testing.assert_allclose(xla.x.numpy(), graph.x.numpy(), rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(xla.cost.numpy(), graph.cost.numpy(), atol=1e-20)
 

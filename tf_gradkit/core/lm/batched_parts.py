@@ -383,14 +383,15 @@ def column_norms(lin):
     return tf.sqrt(tf.maximum(tf.linalg.diag_part(lin.jtj), 0.0))
 
 
-def covariance(r, cost, counts, absolute):
+def covariance(r, cost, counts, absolute, proven=None):
     """``curve_fit``'s ``pcov`` per problem (`least_squares.covariance`,
     `fit_report.covariance_from_svd`: all ``inf`` where J is rank-deficient
     or, unless ``absolute``, ``n <= P``), ``n`` each problem's unmasked point
     count. From ``r`` [B, P, P], the triangular factor of a QR of J
     (`triangular_factor`: the same singular values and right vectors), by
     an SVD outside XLA; for few parameters the SVD runs only for the
-    problems whose full rank is not proven (`small.full_rank_inverse`)."""
+    problems whose full rank is not proven (`small.full_rank_inverse`;
+    ``proven``: `small.proven_covariance`'s result, computed already)."""
 
     def from_svd(r, cost, counts):
         s, _, v = tf.linalg.svd(r)
@@ -398,5 +399,5 @@ def covariance(r, cost, counts, absolute):
 
     if (r.shape[-1] <= small.COLUMNS_MAX_PARAMS and r.shape[-2] == r.shape[-1]
             and tf.executing_eagerly()):   # (fewer points than parameters: R is N x P)
-        return small.covariance(r, cost, counts, absolute, from_svd)
+        return small.covariance(r, cost, counts, absolute, from_svd, proven)
     return from_svd(r, cost, counts)

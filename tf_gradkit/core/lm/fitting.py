@@ -445,10 +445,20 @@ def _compiled(kind, fn, options, key, jit_compile, full_output, free=None):
     shape and dtype)."""
 
     def build():
-        def chunk(x0, per_fit, shared, mask, lower, upper, full0):
+        def residuals_of(per_fit, shared, mask, full0):
             fns = (fn if free is None else fixed_lib.reduce_fns(
                 "fun" if kind == "fun" else "curve", fn, free, full0))
-            residual_fn = _RESIDUALS[kind](fns, per_fit, shared, mask)
+            return _RESIDUALS[kind](fns, per_fit, shared, mask)
+
+        def chunk(x0, per_fit, shared, mask, lower, upper, full0, absolute):
+            residual_fn = residuals_of(per_fit, shared, mask, full0)
+
+            def rows_fn(rows):   # the residuals of the problems at ``rows``
+                def take(t):
+                    return None if t is None else tf.gather(t, rows)
+                return residuals_of(tf.nest.map_structure(take, per_fit), shared,
+                                    take(mask), take(full0))
+
             box = (None if lower is None
                    else batched_parts.BatchedBounds(lower, upper))
             if mask is None:
@@ -456,8 +466,13 @@ def _compiled(kind, fn, options, key, jit_compile, full_output, free=None):
                 counts = tf.fill([x0.shape[0]], tf.constant(float(n), x0.dtype))
             else:
                 counts = tf.reduce_sum(tf.cast(mask, x0.dtype), axis=1)
-            return batched.solve(residual_fn, x0, options, counts, box,
-                                 full_output), counts
+            out = batched.solve(residual_fn, x0, options, counts, box, full_output,
+                                rows_fn)
+            r = out.factor
+            proven = None
+            if r.shape[-1] <= small.COLUMNS_MAX_PARAMS and r.shape[-2] == r.shape[-1]:
+                proven = small.proven_covariance(r, out.cost, counts, absolute)
+            return out, counts, proven
 
         return tf.function(chunk, jit_compile=jit_compile, autograph=False)
 
@@ -519,19 +534,22 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
         def take(t, start=start, stop=stop):
             return _pad(t[start:stop], size)
 
-        out, counts = solve(
+        out, counts, proven = solve(
             take(x0), tf.nest.map_structure(take, per_fit), shared,
             None if mask is None else take(mask),
             None if lower is None else take(lower),
             None if upper is None else take(upper),
-            take(full0) if free is not None else None)
-        finite = tf.reduce_all(tf.math.is_finite(out.factor), axis=[1, 2])
-        cov = batched_parts.covariance(
-            tf.where(finite[:, None, None], out.factor, tf.zeros_like(out.factor)),
-            out.cost, counts, absolute)
-        cov = tf.where(finite[:, None, None], cov, tf.constant(np.nan, dtype))
+            take(full0) if free is not None else None, bool(absolute))
+        if proven is not None and bool(tf.reduce_all(proven[1])):
+            cov = proven[0]   # every factor finite and of full rank
+        else:
+            finite = tf.reduce_all(tf.math.is_finite(out.factor), axis=[1, 2])
+            cov = batched_parts.covariance(
+                tf.where(finite[:, None, None], out.factor, tf.zeros_like(out.factor)),
+                out.cost, counts, absolute, proven)
+            cov = tf.where(finite[:, None, None], cov, tf.constant(np.nan, dtype))
         keep = stop - start
-        outputs.append(tf.nest.map_structure(
+        outputs.append((out, cov) if keep == size else tf.nest.map_structure(
             lambda t, keep=keep: None if t is None else t[:keep], (out, cov)))
         if bar is not None:
             bar.update(stop)

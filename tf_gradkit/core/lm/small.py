@@ -119,14 +119,14 @@ def full_rank_inverse(r, threshold):
     return tf.stack([tf.stack(row, axis=-1) for row in inv], axis=-2), exact
 
 
-def covariance(r, cost, counts, absolute, from_svd):
-    """`batched_parts.covariance` for few parameters, eagerly: where full
-    rank is proven, `fit_report.covariance_from_svd` with unit singular
-    values and ``V = R^-1`` (``V V^T = (R^T R)^-1``: the same ``pcov``, its
-    scaling and its ``inf`` rules from the shared function);
-    ``from_svd(r, cost, counts)`` (an SVD) for the other problems only. The
-    batched SVD of 5x5 matrices cost 2.3 us per fit on a CPU core, as much
-    as the whole solve."""
+def proven_covariance(r, cost, counts, absolute):
+    """``(pcov [B, P, P], exact [B])``: where ``exact`` (full rank proven,
+    `full_rank_inverse`), `fit_report.covariance_from_svd` with unit
+    singular values and ``V = R^-1`` (``V V^T = (R^T R)^-1``: the same
+    ``pcov``, its scaling and its ``inf`` rules from the shared function);
+    elsewhere to be replaced (`covariance`). Elementwise ops: `fitting`
+    runs it inside the compiled chunk (eagerly, its ~60 small ops per chunk
+    cost 1.2 us per 5x5 fit, a third of the solve)."""
     dtype = r.dtype
     eps = float(np.finfo(dtype.as_numpy_dtype).eps)
     p = r.shape[-1]
@@ -134,8 +134,20 @@ def covariance(r, cost, counts, absolute, from_svd):
     inv, exact = full_rank_inverse(r, eps * tf.maximum(counts, float(p)))
     fast = fit_report.covariance_from_svd(tf.ones_like(r[..., 0]), inv, counts, cost,
                                           absolute)
+    return fast, exact
+
+
+def covariance(r, cost, counts, absolute, from_svd, proven=None):
+    """`batched_parts.covariance` for few parameters, eagerly:
+    `proven_covariance` (or ``proven``, its result computed already), and
+    ``from_svd(r, cost, counts)`` (an SVD) for the problems whose full rank
+    it could not prove only. The batched SVD of 5x5 matrices cost 2.3 us
+    per fit on a CPU core, as much as the whole solve."""
+    fast, exact = (proven if proven is not None
+                   else proven_covariance(r, cost, counts, absolute))
     if bool(tf.reduce_all(exact)):
         return fast
+    counts = tf.cast(counts, r.dtype)
     rest = tf.where(~exact)[:, 0]
     slow = from_svd(tf.gather(r, rest), tf.gather(cost, rest), tf.gather(counts, rest))
     return tf.tensor_scatter_nd_update(fast, rest[:, None], slow)
