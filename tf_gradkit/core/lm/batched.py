@@ -300,7 +300,11 @@ def _body(prob, scaling, controller, options, sqrt_eps):
             scaling.diagonal(scale, jtj_diag), stepping, cost_fn, box, controller,
             options)
         first_norm = tf.where(stepping & fresh, info["norm"], first_norm)
-        ended = stepping & (good | (attempt + 1 >= options.max_attempts))
+        # A refused step that promised at most ftol of the cost ends the
+        # iteration (`step.levenberg_marquardt_step`'s ``give_up_below``).
+        given_up = ~good & (info["predicted"] > 0) & (
+            info["predicted"] <= options.ftol * lin.cost)
+        ended = stepping & (good | given_up | (attempt + 1 >= options.max_attempts))
         new_x = tf.where(good[:, None], trial_x, x)
         x_norm = parts.norm(new_x)
         small_step = good & (info["norm"] <= options.xtol * (options.xtol + x_norm))

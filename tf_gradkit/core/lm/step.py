@@ -53,7 +53,8 @@ def init_state(controller, scaling, num_params, dtype):
 
 def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
                              scaling, solver, max_attempts, geodesic=None,
-                             support=None, bounds=None, constrain=None):
+                             support=None, bounds=None, constrain=None,
+                             give_up_below=None):
     """Runs one LM iteration from the linearisation ``lin``.
 
     Args:
@@ -65,6 +66,12 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
       controller, scaling, solver: the damping rule, the damping matrix and
         the linear solver.
       max_attempts: Python int, attempts before giving up on this iteration.
+      give_up_below: optional scalar: a refused attempt whose model decrease
+        was at most this ends the iteration (``ftol * cost``: the smaller
+        steps of further attempts promise less still, so the iteration ends
+        on the cost tolerance either way; in float32 near a minimum, where
+        the decrease is under the cost's round-off, they were refused up to
+        ``max_attempts`` times). A failed solve (a zero step) never gives up.
       geodesic: optional `geodesic.GeodesicAcceleration`, adding the
         second-order correction to each attempted step.
       support: optional `linearize.Support` the linearisation was taken over;
@@ -158,9 +165,17 @@ def levenberg_marquardt_step(lin, cost_fn, variables, state, *, controller,
                 tf.where(tf.equal(i, 0), norm, first_norm))
 
     zero = tf.constant(0.0, dtype)
+
+    def given_up(i, predicted):
+        if give_up_below is None:
+            return tf.constant(False)
+        return (i > 0) & (predicted > 0) & (predicted <= give_up_below)
+
     (attempts, accepted, damping, nu, new_cost, step_norm, rho, predicted,
      first_norm) = tf.while_loop(
-        lambda i, accepted, *_: (i < max_attempts) & tf.logical_not(accepted),
+        lambda i, accepted, damping, nu, new_cost, step_norm, rho, predicted, _: (
+            (i < max_attempts) & tf.logical_not(accepted)
+            & tf.logical_not(given_up(i, predicted))),
         attempt,
         (tf.constant(0), tf.constant(False), state.control.damping, state.control.nu,
          lin.cost, zero, zero, zero, zero),

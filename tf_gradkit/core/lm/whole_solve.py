@@ -349,7 +349,7 @@ def iteration(problem, linearize, box, tolerances, scaling, controller,
             lin, lambda: cost(problem), problem.variables, state,
             controller=controller, scaling=scaling, solver=problem.solver,
             max_attempts=problem.max_attempts, geodesic=problem.geodesic,
-            bounds=box)
+            bounds=box, give_up_below=tolerances.ftol * lin.cost)
         return ((new_state, info.new_cost) + step_code(problem, tolerances, info)
                 + (info.step_norm, tf.cast(info.accepted, problem.dtype)))
 
