@@ -350,3 +350,26 @@ def test_loose_ftol_stop_is_converged_where_no_parameter_can_do_better(monkeypat
     assert not bool(whole_solve.within_ftol(three, 0.5e-4 * one, False, one, 1e-4))
     assert not bool(whole_solve.within_ftol(tf.constant(2, tf.int64), 0.0 * one, True,
                                             one, 1e-4))
+
+
+@pytest.mark.parametrize("jtr, expect", [(1e-3, 1), (10.0, 5)])
+def test_refused_step_within_ftol_ends_the_iteration(jtr, expect):
+    """`step.levenberg_marquardt_step(give_up_below=ftol * cost)`: every trial
+    is refused here (the cost always rises); a refused step that promised
+    at most ``give_up_below`` (jtr 1e-3: 5e-7 of a cost of 1, against 1e-4)
+    ends the iteration after one attempt, one that promised more (jtr 10)
+    is retried up to ``max_attempts``; without the bound both retry."""
+    from tf_gradkit.core.lm import damping, linear_solvers, step
+    v = tf.Variable([0.0], dtype=tf.float64)
+    one = tf.constant(1.0, tf.float64)
+    lin = linear_solvers.Linearization(cost=one, jtj=tf.constant([[1.0]], tf.float64),
+                                       jtr=tf.constant([jtr], tf.float64))
+    controller, scaling = damping.TrustRegion(), damping.Marquardt()
+    for bound, attempts in ((1e-4 * one, expect), (None, 5)):
+        state = step.init_state(controller, scaling, 1, tf.float64)
+        _, info = step.levenberg_marquardt_step(
+            lin, lambda: one + 1.0 + tf.reduce_sum(v) * 0.0, [v], state,
+            controller=controller, scaling=scaling, solver=linear_solvers.Cholesky(),
+            max_attempts=5, give_up_below=bound)
+        assert int(info.attempts) == attempts and not bool(info.accepted)
+        assert float(v[0]) == 0.0          # refused: the variable is restored
