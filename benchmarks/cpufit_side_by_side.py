@@ -132,15 +132,19 @@ print(time.perf_counter() - t0, time.process_time() - c0)
 
 
 def first_calls(directory):
-    """(wall, cpu) of the first call in a fresh process with an empty cache,
-    then in a second process reading what the first one wrote."""
+    """(wall, cpu) of the first call in a fresh process with the defaults (no
+    XLA cache), then with the persistent XLA cache asked for
+    (``TF_GRADKIT_XLA_CACHE=1``, `core/xla_cache.py`) in a process that fills
+    an empty cache and a second one that reads it."""
     out = []
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, XDG_CACHE_HOME=cache)
         env.pop("TF_XLA_FLAGS", None)
         env.pop("TF_GRADKIT_XLA_CACHE", None)
         code = FIRST_CALL.format(root=os.path.dirname(HERE), here=HERE, directory=directory)
-        for _ in range(2):
+        for cached in (False, True, True):
+            if cached:
+                env["TF_GRADKIT_XLA_CACHE"] = "1"
             line = subprocess.run([sys.executable, "-c", code], env=env, check=True,
                                   capture_output=True, text=True).stdout.split()[-2:]
             out.append(tuple(float(v) for v in line))
@@ -175,8 +179,11 @@ def main(driver, sides=(5, 15), n=100_000, scipy_fits=500):
                 rows.append(run_scipy(directory, scipy_fits, method, matched["ftol"]))
             table(rows, side, f"{load_before:.1f}", f"{os.getloadavg()[0]:.1f}")
             if side == sides[0]:
-                (w1, c1), (w2, c2) = first_calls(directory)
+                (w1, c1), (w2, c2), (w3, c3) = first_calls(directory)
                 print(f"\nfirst call, curve_fit defaults, 10^4 {side}x{side} fits, fresh "
-                      f"process: {w1:.2f} s wall / {c1:.2f} s CPU; second process with "
-                      f"the XLA cache: {w2:.2f} s wall / {c2:.2f} s CPU (import not "
-                      "counted)")
+                      f"process: {w1:.2f} s wall / {c1:.2f} s CPU; with "
+                      f"TF_GRADKIT_XLA_CACHE=1: filling an empty cache {w2:.2f} s wall / "
+                      f"{c2:.2f} s CPU, a second process reading it {w3:.2f} s wall / "
+                      f"{c3:.2f} s CPU (import not counted)")
+    import bounded_decay
+    bounded_decay.run(fits=n, scipy_fits=scipy_fits)
