@@ -373,3 +373,58 @@ def test_refused_step_within_ftol_ends_the_iteration(jtr, expect):
             max_attempts=5, give_up_below=bound)
         assert int(info.attempts) == attempts and not bool(info.accepted)
         assert float(v[0]) == 0.0          # refused: the variable is restored
+
+
+@pytest.mark.parametrize("case", ["fun_args_mask_bounds", "curve_sigma_fixed"])
+def test_compaction_gathers_each_fits_data(monkeypatch, case):
+    """The compacted tail rebuilds the residuals from the gathered rows of
+    every per-fit input: `least_squares_batched`'s ``args``, ``mask`` and
+    per-fit ``bounds``; `curve_fit`'s per-fit ``sigma`` and, with
+    ``parameters_to_fit``, the fixed values. Each fit ends as in the loop
+    over the whole chunk (float64: status and iterations equal, x to
+    round-off), and the compacted loop was built (that a tail runs in it is
+    shown by test_compacted_tail_takes_the_same_steps)."""
+    from tf_gradkit.core.lm import batched
+    rng = np.random.default_rng(11)
+    b, n = 600, 30
+    t = np.linspace(0.0, 3.0, n)
+    rate = rng.uniform(0.5, 2.0, b)
+    y = 4.0 * np.exp(-rate[:, None] * t) + 0.5 + 0.01 * rng.normal(size=(b, n))
+    x0 = np.c_[np.full(b, 1.0), np.full(b, 1.0), np.zeros(b)]
+    x0[::30, 1] = 40.0                 # 20 slow starts: the tail
+    mask = np.arange(n)[None, :] < n - rng.integers(0, 10, b)[:, None]   # ragged
+    upper = np.tile([np.inf, 50.0, np.inf], (b, 1))
+    upper[1::7, 2] = 0.3               # a bound that holds for some fits
+    built = []
+    real = batched._problems
+
+    def spy(residual_fn, counts, box, options):
+        built.append(int(counts.shape[0]))
+        return real(residual_fn, counts, box, options)
+
+    def solve():
+        _clear_solves()
+        if case == "fun_args_mask_bounds":
+            return tf_gradkit.least_squares_batched(
+                lambda p, y, t: p[:, 0:1] * tf.exp(-p[:, 1:2] * t) + p[:, 2:3] - y,
+                x0, args=(y, np.tile(t, (b, 1))), mask=mask,
+                bounds=(np.zeros((b, 3)), upper), ftol=1e-12, batch_size=b)
+        sigma = 0.01 * (1.0 + rng.uniform(size=(b, n)))
+        return tf_gradkit.curve_fit(
+            lambda t, p: p[:, 0:1] * tf.exp(-p[:, 1:2] * t) + p[:, 2:3], t, y,
+            x0 + np.c_[np.zeros((b, 2)), np.linspace(0.4, 0.6, b)], sigma=sigma,
+            parameters_to_fit=[1, 1, 0], ftol=1e-12, batch_size=b)
+
+    monkeypatch.setattr(batched, "_problems", spy)
+    rng_state = rng.bit_generator.state
+    compact = solve()
+    assert built[:2] == [b, b // batched.COMPACT_FRACTION], built
+    monkeypatch.setattr(batched, "COMPACT_MIN_BATCH", 10 ** 9)
+    rng.bit_generator.state = rng_state
+    whole = solve()
+    _clear_solves()
+    it = whole.iterations.numpy()
+    np.testing.assert_array_equal(compact.status.numpy(), whole.status.numpy())
+    np.testing.assert_array_equal(compact.iterations.numpy(), it)
+    np.testing.assert_allclose(compact.x.numpy(), whole.x.numpy(), rtol=1e-10, atol=1e-12)
+    assert np.mean(compact.converged.numpy()) > 0.95
