@@ -13,7 +13,8 @@ import tensorflow as tf
 
 import tf_gradkit
 from tf_gradkit.core import xla_cache
-from tf_gradkit.core.lm import batched_parts, fitting, small
+from tf_gradkit.core.lm import (batched, batched_parts, damping, fitting, linear_solvers,
+                                solve_cache, small, step, whole_solve)
 
 pytestmark = pytest.mark.keras_free
 
@@ -265,7 +266,6 @@ def gpufit_spots(batch, seed):
 
 
 def _clear_solves():
-    from tf_gradkit.core.lm import solve_cache
     solve_cache.SOLVES.clear()
 
 
@@ -275,7 +275,6 @@ def test_compacted_tail_takes_the_same_steps(monkeypatch):
     in the loop over the whole chunk (float64; the same elementwise ops per
     fit, so status and iterations equal and x to round-off), and the
     compaction did happen (its `_problems` built for the gathered rows)."""
-    from tf_gradkit.core.lm import batched
     xy, y, p0 = spots(640, dtype=np.float64, seed=4)
     p0[::40, 3] *= 2.5     # 16 starts far off in width: the slow tail
     built = []
@@ -311,7 +310,6 @@ def test_loose_ftol_stop_is_converged_where_no_parameter_can_do_better(monkeypat
     a single `least_squares` solve of such a fit is converged too, and the
     GN decrease at the batch's point, computed here by numpy, is within
     ftol of the cost."""
-    from tf_gradkit.core.lm import batched, whole_solve
     xy, y, p0 = gpufit_spots(8000, seed=5)
     loose = dict(ftol=1e-4, max_iterations=10)
     _clear_solves()
@@ -359,7 +357,6 @@ def test_refused_step_within_ftol_ends_the_iteration(jtr, expect):
     at most ``give_up_below`` (jtr 1e-3: 5e-7 of a cost of 1, against 1e-4)
     ends the iteration after one attempt, one that promised more (jtr 10)
     is retried up to ``max_attempts``; without the bound both retry."""
-    from tf_gradkit.core.lm import damping, linear_solvers, step
     v = tf.Variable([0.0], dtype=tf.float64)
     one = tf.constant(1.0, tf.float64)
     lin = linear_solvers.Linearization(cost=one, jtj=tf.constant([[1.0]], tf.float64),
@@ -384,7 +381,6 @@ def test_compaction_gathers_each_fits_data(monkeypatch, case):
     over the whole chunk (float64: status and iterations equal, x to
     round-off), and the compacted loop was built (that a tail runs in it is
     shown by test_compacted_tail_takes_the_same_steps)."""
-    from tf_gradkit.core.lm import batched
     rng = np.random.default_rng(11)
     b, n = 600, 30
     t = np.linspace(0.0, 3.0, n)
