@@ -78,6 +78,17 @@ class _Run(NamedTuple):
     stationarity: tf.Tensor
     blind: tf.Tensor  # [B, P] on a bound the residuals ignore (`Bounds.blind`)
     stopped_by: tf.Tensor  # [B] int64: a stall's tolerance code, else 0
+    final: object = None   # BatchedLinearization at x (with the Jacobian)
+
+
+def _pick(flags, a, b):
+    """Per problem (``flags`` [B]) ``a`` else ``b``, over nested tensors of
+    any rank (None stays None)."""
+    def one(u, v):
+        if u is None:
+            return None
+        return tf.where(tf.reshape(flags, [-1] + [1] * (u.shape.rank - 1)), u, v)
+    return tf.nest.map_structure(one, a, b)
 
 
 def solve(residual_fn, x0, options, counts, box=None, full_output=False,
@@ -103,7 +114,7 @@ def solve(residual_fn, x0, options, counts, box=None, full_output=False,
     dtype = x0.dtype
     eps = float(np.finfo(dtype.as_numpy_dtype).eps)
     prob = _problems(residual_fn, counts, box, options)
-    robust, cost_fn = prob.robust, prob.cost_fn
+    cost_fn = prob.cost_fn
 
     start_cost = cost_fn(x0)
     finite = tf.reduce_all(tf.math.is_finite(x0), axis=-1) & tf.math.is_finite(
@@ -130,14 +141,13 @@ def solve(residual_fn, x0, options, counts, box=None, full_output=False,
             out.status != INFEASIBLE_START) & (out.status != NO_DATA)
         second = run(*phase, tf.where(again, tf.constant(0, tf.int64), out.status))
         better = again & ((second.cost < out.cost) | ~tf.math.is_finite(out.cost))
-        kept = _Run(*[tf.where(better[:, None] if a.shape.rank == 2 else better, a, b)
-                      for a, b in zip(second, out)])
+        kept = _pick(better, second, out)
         out = kept._replace(iterations=tf.where(
             again, out.iterations + second.iterations, out.iterations))
     if box is not None:
         out = _off_bounds(run, box, x0, out, phases[0])
     x = out.x
-    final = robust.linearize(residual_fn, x)
+    final = out.final   # the linearisation at x, from the run that ended there
     if box is None:
         mask = tf.zeros_like(x, tf.int64)
         scaled = final.jtr
@@ -242,7 +252,7 @@ def _run(prob, rows_fn, counts, x0, start_code, start_cost, scaling, controller,
     stopped_by = tf.where(far, test, tf.zeros_like(test))
     code = tf.where(far, tf.constant(6, tf.int64), code)
     return _Run(x=x, iterations=it, status=code, damping=damping, cost=final.cost,
-                stationarity=cosine, blind=blind, stopped_by=stopped_by)
+                stationarity=cosine, blind=blind, stopped_by=stopped_by, final=final)
 
 
 def _gauss_newton(jtj, jtr):
@@ -347,8 +357,7 @@ def _off_bounds(run, box, x0, out, phase):
     second = run(*phase, tf.where(again, tf.constant(0, tf.int64), out.status),
                  tf.where(again[:, None], inside, out.x))
     better = again & (second.cost < out.cost)
-    kept = _Run(*[tf.where(better[:, None] if a.shape.rank == 2 else better, a, b)
-                  for a, b in zip(second, out)])
+    kept = _pick(better, second, out)
     return kept._replace(iterations=tf.where(
         again, out.iterations + second.iterations, out.iterations))
 
