@@ -310,18 +310,18 @@ def _body(prob, scaling, controller, options, sqrt_eps):
             scaling.diagonal(scale, jtj_diag), stepping, cost_fn, box, controller,
             options)
         first_norm = tf.where(stepping & fresh, info["norm"], first_norm)
-        # A refused step that promised at most ftol of the cost ends the
-        # iteration (`step.levenberg_marquardt_step`'s ``give_up_below``).
-        given_up = ~good & (info["predicted"] > 0) & (
-            info["predicted"] <= options.ftol * lin.cost)
+        stalled = ~good
+        flat = stalled & (info["predicted"] <= options.ftol * lin.cost)
+        # A refused step that promised at most ftol of the cost (and was
+        # solved: a zero step promises 0) ends the iteration
+        # (`step.levenberg_marquardt_step`'s ``give_up_below``).
+        given_up = flat & (info["predicted"] > 0)
         ended = stepping & (good | given_up | (attempt + 1 >= options.max_attempts))
         new_x = tf.where(good[:, None], trial_x, x)
         x_norm = parts.norm(new_x)
         small_step = good & (info["norm"] <= options.xtol * (options.xtol + x_norm))
         small_drop = good & (lin.cost - info["new_cost"] <= options.ftol * lin.cost)
-        stalled = ~good
         resolution = sqrt_eps * (1e-8 + x_norm)
-        flat = stalled & (info["predicted"] <= options.ftol * lin.cost)
         tiny = stalled & (first_norm <= resolution)
         exhausted = stalled & (info["norm"] <= resolution)
         step_code = tf.where(flat, c(3), tf.where(tiny, c(2), tf.where(

@@ -142,7 +142,8 @@ def within_ftol(code, predicted, ok, cost, ftol):
     (142 of 10^5 of Gpufit's 5x5 Gaussians: 1.0e-3 to 1.6e-3); scipy's
     bvp test at ftol=1e-2 stops where this step would take most of the
     cost away, and stays stalled."""
-    return (code == 3) & ok & (predicted <= ftol * cost)
+    return ((code == int(StopReason.COST_TOLERANCE)) & ok
+            & (predicted <= ftol * cost))
 
 
 def gauss_newton_decrease(lin, solve):
@@ -412,7 +413,8 @@ def final_code(problem, box, code, final, largest, start_cost, ftol=0.0):
     a column has shrunk (a minimum where it vanishes while r does not),
     small with their largest norms and the gradient small relative to the
     cost (Dennis-Schnabel's relative gradient max_j |g_j| max(|x_j|, 1) /
-    cost <= eps^(1/3)); for an ``ftol`` stop, also `within_ftol`. At round-off: the residuals' largest component along
+    cost <= eps^(1/3)); for an ``ftol`` stop, also `within_ftol`. At
+    round-off: the residuals' largest component along
     a column of J, cosine * |r|, at most sqrt(eps) (a zero-residual
     solution has |r| at round-off, where its direction means nothing), or
     the cost down to eps times its start.
@@ -448,15 +450,21 @@ def final_code(problem, box, code, final, largest, start_cost, ftol=0.0):
 
 def _within_ftol(problem, code, kept, cost, ftol):
     """`within_ftol` for one problem (not for a matrix-free solver: its
-    inexact step could understate the decrease)."""
+    inexact step could understate the decrease). The P x P solve runs only
+    for a cost-tolerance stop."""
     if problem.matrix_free or kept.jtj is None:
         return tf.constant(False)
+
     def solve(jtj, jtr):
         step, ok = spd.solve(jtj, -jtr[:, None])
         return step[:, 0], ok
 
-    predicted, ok = gauss_newton_decrease(kept, solve)
-    return within_ftol(code, predicted, ok, cost, ftol)
+    def check():
+        predicted, ok = gauss_newton_decrease(kept, solve)
+        return within_ftol(code, predicted, ok, cost, ftol)
+
+    return tf.cond(code == _code(StopReason.COST_TOLERANCE), check,
+                   lambda: tf.constant(False))
 
 
 def off_bounds(problem, linearize, box, tolerances, phase, first, x0, start_cost):
