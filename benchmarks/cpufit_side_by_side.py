@@ -15,9 +15,10 @@ this module fits the same arrays with:
 
 and prints one table: fits per second and per CPU-second (this process's
 CPU, all threads; Cpufit's is single-threaded), ratios to Cpufit, converged
-share. Then the first call (compile + 10^4 fits) in a fresh process, without
-and with the persistent XLA cache (`core/xla_cache.py`), each in its own
-process with its own empty cache directory.
+share. Then the first call (trace, compile + 10^4 fits) in a fresh process:
+with the defaults, and with XLA without and with the persistent XLA cache
+(`core/xla_cache.py`), each in its own process, the cache in an empty
+directory of its own.
 """
 
 import json
@@ -125,26 +126,31 @@ import cpufit_side_by_side as s
 import tf_gradkit
 meta, data, p0, xy = s.load({directory!r})
 c0, t0 = time.process_time(), time.perf_counter()
-fit = tf_gradkit.curve_fit(s.gaussian, xy, data[:10000], p0[:10000])
+fit = tf_gradkit.curve_fit(s.gaussian, xy, data[:10000], p0[:10000], **{options})
 fit.x.numpy()
 print(time.perf_counter() - t0, time.process_time() - c0)
 """
 
 
 def first_calls(directory):
-    """(wall, cpu) of the first call in a fresh process with the defaults (no
-    XLA cache), then with the persistent XLA cache asked for
-    (``TF_GRADKIT_XLA_CACHE=1``, `core/xla_cache.py`) in a process that fills
-    an empty cache and a second one that reads it."""
+    """(wall, cpu) of the first call in a fresh process: with the defaults
+    (``jit_compile="auto"``: a plain ``tf.function`` for 10^4 fits), then
+    with ``jit_compile=True`` (XLA) without the cache, and with the
+    persistent XLA cache asked for (``TF_GRADKIT_XLA_CACHE=1``,
+    `core/xla_cache.py`) in a process that fills an empty cache and a second
+    one that reads it."""
     out = []
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, XDG_CACHE_HOME=cache)
         env.pop("TF_XLA_FLAGS", None)
         env.pop("TF_GRADKIT_XLA_CACHE", None)
-        code = FIRST_CALL.format(root=os.path.dirname(HERE), here=HERE, directory=directory)
-        for cached in (False, True, True):
+        for options, cached in (({}, False), ({"jit_compile": True}, False),
+                                ({"jit_compile": True}, True),
+                                ({"jit_compile": True}, True)):
             if cached:
                 env["TF_GRADKIT_XLA_CACHE"] = "1"
+            code = FIRST_CALL.format(root=os.path.dirname(HERE), here=HERE,
+                                     directory=directory, options=options)
             line = subprocess.run([sys.executable, "-c", code], env=env, check=True,
                                   capture_output=True, text=True).stdout.split()[-2:]
             out.append(tuple(float(v) for v in line))
@@ -179,11 +185,12 @@ def main(driver, sides=(5, 15), n=100_000, scipy_fits=500):
                 rows.append(run_scipy(directory, scipy_fits, method, matched["ftol"]))
             table(rows, side, f"{load_before:.1f}", f"{os.getloadavg()[0]:.1f}")
             if side == sides[0]:
-                (w1, c1), (w2, c2), (w3, c3) = first_calls(directory)
-                print(f"\nfirst call, curve_fit defaults, 10^4 {side}x{side} fits, fresh "
-                      f"process: {w1:.2f} s wall / {c1:.2f} s CPU; with "
-                      f"TF_GRADKIT_XLA_CACHE=1: filling an empty cache {w2:.2f} s wall / "
-                      f"{c2:.2f} s CPU, a second process reading it {w3:.2f} s wall / "
-                      f"{c3:.2f} s CPU (import not counted)")
+                (w0, c0), (w1, c1), (w2, c2), (w3, c3) = first_calls(directory)
+                print(f"\nfirst call, 10^4 {side}x{side} fits, fresh process (import "
+                      f"not counted): curve_fit defaults {w0:.2f} s wall / {c0:.2f} s "
+                      f"CPU; jit_compile=True {w1:.2f} s wall / {c1:.2f} s CPU; "
+                      f"jit_compile=True with TF_GRADKIT_XLA_CACHE=1: filling an empty "
+                      f"cache {w2:.2f} s wall / {c2:.2f} s CPU, a second process "
+                      f"reading it {w3:.2f} s wall / {c3:.2f} s CPU")
     import bounded_decay
     bounded_decay.run(fits=n, scipy_fits=scipy_fits)

@@ -160,7 +160,7 @@ def test_xla_cache_fills_in_a_fresh_process_and_leaves_the_environment(tmp_path)
     script = (
         "import os, numpy as np, tf_gradkit\n"
         "fit = tf_gradkit.curve_fit(lambda t, p: p[:, :1] * t, np.arange(4.0), "
-        "np.ones([2, 4]), np.ones([2, 1]))\n"
+        "np.ones([2, 4]), np.ones([2, 1]), jit_compile=True)\n"
         "print(repr(os.environ.get('TF_XLA_FLAGS')), bool(np.all(fit.converged.numpy())))\n")
     env = {k: v for k, v in os.environ.items() if k != "TF_XLA_FLAGS"}
     env["TF_GRADKIT_XLA_CACHE"] = str(tmp_path)
@@ -286,11 +286,13 @@ def test_compacted_tail_takes_the_same_steps(monkeypatch):
 
     monkeypatch.setattr(batched, "_problems", spy)
     _clear_solves()
-    compact = tf_gradkit.curve_fit(gaussian, xy, y, p0, ftol=1e-10, batch_size=640)
+    compact = tf_gradkit.curve_fit(gaussian, xy, y, p0, ftol=1e-10, batch_size=640,
+                                   jit_compile=True)
     assert built == [640, 640 // batched.COMPACT_FRACTION], built
     monkeypatch.setattr(batched, "COMPACT_MIN_BATCH", 10 ** 9)
     _clear_solves()
-    whole = tf_gradkit.curve_fit(gaussian, xy, y, p0, ftol=1e-10, batch_size=640)
+    whole = tf_gradkit.curve_fit(gaussian, xy, y, p0, ftol=1e-10, batch_size=640,
+                                 jit_compile=True)
     _clear_solves()
     it = whole.iterations.numpy()
     assert it.max() > 2 * np.median(it)          # there was a tail to compact
@@ -404,12 +406,13 @@ def test_compaction_gathers_each_fits_data(monkeypatch, case):
             return tf_gradkit.least_squares_batched(
                 lambda p, y, t: p[:, 0:1] * tf.exp(-p[:, 1:2] * t) + p[:, 2:3] - y,
                 x0, args=(y, np.tile(t, (b, 1))), mask=mask,
-                bounds=(np.zeros((b, 3)), upper), ftol=1e-12, batch_size=b)
+                bounds=(np.zeros((b, 3)), upper), ftol=1e-12, batch_size=b,
+                jit_compile=True)
         sigma = 0.01 * (1.0 + rng.uniform(size=(b, n)))
         return tf_gradkit.curve_fit(
             lambda t, p: p[:, 0:1] * tf.exp(-p[:, 1:2] * t) + p[:, 2:3], t, y,
             x0 + np.c_[np.zeros((b, 2)), np.linspace(0.4, 0.6, b)], sigma=sigma,
-            parameters_to_fit=[1, 1, 0], ftol=1e-12, batch_size=b)
+            parameters_to_fit=[1, 1, 0], ftol=1e-12, batch_size=b, jit_compile=True)
 
     monkeypatch.setattr(batched, "_problems", spy)
     rng_state = rng.bit_generator.state
@@ -424,3 +427,79 @@ def test_compaction_gathers_each_fits_data(monkeypatch, case):
     np.testing.assert_array_equal(compact.iterations.numpy(), it)
     np.testing.assert_allclose(compact.x.numpy(), whole.x.numpy(), rtol=1e-10, atol=1e-12)
     assert np.mean(compact.converged.numpy()) > 0.95
+
+
+def test_auto_engine_is_plain_until_the_fits_pay_for_xla(monkeypatch):
+    """``jit_compile="auto"`` (the default): a plain tf.function until this
+    function with these options has been given `fitting.AUTO_XLA_FITS` fits in
+    this process (this call's included), XLA from then on; each call gives
+    exactly what the engine it ran on gives when asked for by name (float64,
+    bit for bit); a call that alone reaches the threshold compiles at once,
+    and other options count apart."""
+    monkeypatch.setattr(fitting, "AUTO_XLA_FITS", 12)
+    monkeypatch.setattr(fitting, "_AUTO_FITS", {})
+    xy, y, p0 = spots(6, dtype=np.float64, seed=5)
+    engines = []
+    real = fitting._compiled
+
+    def spy(kind, fn, options, key, jit_compile, *rest, **kw):
+        engines.append(jit_compile)
+        return real(kind, fn, options, key, jit_compile, *rest, **kw)
+
+    monkeypatch.setattr(fitting, "_compiled", spy)
+    _clear_solves()
+    first = tf_gradkit.curve_fit(gaussian, xy, y, p0)           # 6 fits: plain
+    second = tf_gradkit.curve_fit(gaussian, xy, y, p0)          # 12: XLA
+    other = tf_gradkit.curve_fit(gaussian, xy, y, p0, ftol=1e-6)   # other options: 6
+    big = tf_gradkit.curve_fit(gaussian, xy, np.tile(y, (2, 1)), np.tile(p0, (2, 1)),
+                               ftol=1e-7)                       # 12 at once: XLA
+    assert engines == [False, True, False, True], engines
+    plain = tf_gradkit.curve_fit(gaussian, xy, y, p0, jit_compile=False)
+    xla = tf_gradkit.curve_fit(gaussian, xy, y, p0, jit_compile=True)
+    _clear_solves()
+    np.testing.assert_array_equal(first.x.numpy(), plain.x.numpy())
+    np.testing.assert_array_equal(second.x.numpy(), xla.x.numpy())
+    assert np.all(first.converged.numpy()) and np.all(second.converged.numpy())
+    assert np.all(other.converged.numpy()) and np.all(big.converged.numpy())
+    np.testing.assert_allclose(first.x.numpy(), second.x.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("jit_compile", ["yes", None, 1])
+def test_jit_compile_refused_by_name(jit_compile):
+    xy, y, p0 = spots(2, dtype=np.float64)
+    with pytest.raises(ValueError, match=r"curve_fit: `jit_compile` must be True, "
+                       r"False or 'auto'. Received: jit_compile="):
+        tf_gradkit.curve_fit(gaussian, xy, y, p0, jit_compile=jit_compile)
+    with pytest.raises(ValueError, match=r"least_squares_batched: `jit_compile`"):
+        tf_gradkit.least_squares_batched(lambda p: p - 1.0, np.zeros([2, 2]),
+                                         jit_compile=jit_compile)
+
+
+def test_small_calls_share_a_power_of_two_chunk(monkeypatch):
+    """A call smaller than a chunk runs padded to a power of two of fits: 3,
+    4 and then 1 fit trace one solve of 4 and one of 1 (the ones a movie's
+    frames of changing spot counts reuse); each fit ends as in a call of its
+    own (the padding rows do not touch it: x bit for bit in the same chunk
+    shape), and plain mode traces no compacted tail."""
+    xy, y, p0 = spots(4, dtype=np.float64, seed=6)
+    built = []
+    real = batched._problems
+
+    def spy(residual_fn, counts, box, options):
+        built.append(int(counts.shape[0]))
+        return real(residual_fn, counts, box, options)
+
+    monkeypatch.setattr(batched, "_problems", spy)
+    _clear_solves()
+    three = tf_gradkit.curve_fit(gaussian, xy, y[:3], p0[:3], jit_compile=False)
+    four = tf_gradkit.curve_fit(gaussian, xy, y, p0, jit_compile=False)
+    one = tf_gradkit.curve_fit(gaussian, xy, y[1], p0[1], jit_compile=False)
+    assert built == [4, 1], built
+    np.testing.assert_array_equal(three.x.numpy(), four.x.numpy()[:3])
+    # (one fit runs in a chunk of 1, other kernels: round-off apart)
+    np.testing.assert_allclose(one.x.numpy(), four.x.numpy()[1], rtol=1e-12)
+    xy, y, p0 = spots(640, dtype=np.float64, seed=4)
+    built.clear()
+    tf_gradkit.curve_fit(gaussian, xy, y, p0, batch_size=640, jit_compile=False)
+    _clear_solves()
+    assert built == [640], built     # no second loop for the tail

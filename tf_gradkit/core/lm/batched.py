@@ -19,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 
+from tf_gradkit.core import spd
 from tf_gradkit.core.lm import batched_parts as parts
 from tf_gradkit.core.lm import damping as damping_lib
 from tf_gradkit.core.lm.least_squares import REASONS, STATIONARY_COSINE
@@ -190,7 +191,10 @@ def _problems(residual_fn, counts, box, options):
 # gathered into a batch that size and the loop goes on with them alone: the
 # chunk's last passes cost 1/16 of a full pass (on Gpufit's 5x5 Gaussian,
 # 8 of 13 passes ran with under 3% of the fits). Only for chunks of at least
-# COMPACT_MIN_BATCH problems; each problem's steps are the same.
+# COMPACT_MIN_BATCH problems, and only under XLA: in a plain tf.function
+# (`fitting.AUTO_XLA_FITS`: a first call) tracing and instantiating the
+# second loop cost about 0.4 s, more than it saves on 10^4 small fits.
+# Each problem's steps are the same.
 COMPACT_FRACTION = 16
 COMPACT_MIN_BATCH = 512
 
@@ -210,7 +214,8 @@ def _run(prob, rows_fn, counts, x0, start_code, start_cost, scaling, controller,
              tf.zeros([batch, p], dtype), tf.zeros([batch], tf.int64),
              tf.zeros([batch], tf.int64), tf.zeros([batch], dtype))
     limit = None
-    if rows_fn is not None and batch is not None and batch >= COMPACT_MIN_BATCH:
+    if (rows_fn is not None and batch is not None and batch >= COMPACT_MIN_BATCH
+            and spd._in_xla()):
         limit = batch // COMPACT_FRACTION
     state = _loop(_body(prob, scaling, controller, options, sqrt_eps), state, options,
                   limit)

@@ -53,13 +53,16 @@ def jacobian(residual_fn, x):
     one JVP per parameter column for the whole batch at once, the P columns
     vectorised (`tf.vectorized_map`: the residuals themselves are computed
     once, only the tangents P times); for few parameters one JVP per column
-    (`small.jacobian_columns`); the user's own when ``residual_fn`` carries
-    one (its ``jacobian`` ability: ``jac=`` of `curve_fit`)."""
+    (`small.jacobian_columns`: under XLA the columns fuse into the sums of
+    the normal equations; in a plain ``tf.function`` its one traced JVP
+    traces in a third of the vectorised map's time, at the same speed); the
+    user's own when ``residual_fn`` carries one (its ``jacobian`` ability:
+    ``jac=`` of `curve_fit`)."""
     p = x.shape[-1]
     analytic = getattr(residual_fn, "jacobian", None)
     if analytic is not None:
         return residual_fn(x), analytic(x)
-    if small.by_columns(p):
+    if p is not None and p <= small.COLUMNS_MAX_PARAMS:
         residuals, columns = small.jacobian_columns(residual_fn, x)
         return residuals, tf.stack(columns, axis=-1)
 

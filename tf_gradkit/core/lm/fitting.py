@@ -37,6 +37,20 @@ from tf_gradkit.core.lm.robust import RobustLoss
 CHUNK_ELEMENTS = 2 ** 24
 CHUNK_ELEMENTS_CPU = 2 ** 20
 
+# jit_compile="auto" (the default): a plain ``tf.function`` until this
+# function, with these options, has been given this many fits in this
+# process (this call's included), XLA from then on. Why: XLA's compile of a
+# chunk solve costs 7-10 s of CPU in a new process, the plain function's
+# first call about 2 s, and XLA then runs each fit 3-10x faster (on Gpufit's
+# Gaussians, 2 against 21 us per 5x5 fit, 21 against 70 us per 15x15 fit,
+# 2026-11-28, docs/batched_fits.md). So 10^4 fits take 2-3 s instead of
+# 9-11 s, while a call of 10^5 fits, or the 100th call of 10^3, compiles
+# and runs at XLA's speed. The two engines round differently: pass
+# ``jit_compile=True`` or ``False`` for one of them throughout.
+AUTO_XLA_FITS = 2 ** 16
+_AUTO_FITS = {}   # fits given so far per `_compiled` key under "auto"
+_AUTO_KEYS_MAX = 1024
+
 
 class BatchedFitResult(NamedTuple):
     """What `least_squares_batched` and `curve_fit` return (tensors).
@@ -103,7 +117,7 @@ def least_squares_batched(fun, x0, args=(), *, mask=None, bounds=None,
                           max_iterations=100, controller="trust_region",
                           scaling=None, solver="auto", max_attempts=10, gtol=None,
                           xtol=None, ftol=None, batch_size=None,
-                          full_output=False, jit_compile=True, jac=None,
+                          full_output=False, jit_compile="auto", jac=None,
                           parameters_to_fit=None, progress=False):
     """Solves B independent nonlinear least-squares problems at once.
 
@@ -130,9 +144,16 @@ def least_squares_batched(fun, x0, args=(), *, mask=None, bounds=None,
         parameters, else "qr", as `least_squares` resolves it;
         ``controller`` a name or a damping object).
       batch_size: problems per compiled chunk (memory); default: about
-        ``2**24 / (N * P)`` with a GPU, ``2**20 / (N * P)`` without.
+        ``2**24 / (N * P)`` with a GPU, ``2**20 / (N * P)`` without, and a
+        smaller call rounded up to a power of two of problems (padded), so
+        that calls of other sizes reuse the traced and compiled solve.
       full_output: also return ``fun`` and ``jac`` at the solutions.
-      jit_compile: compile each chunk's solve with XLA.
+      jit_compile: True: compile each chunk's solve with XLA; False: a plain
+        ``tf.function``; "auto" (default): plain until this function with
+        these options has been given `AUTO_XLA_FITS` (65,536) fits in this
+        process, this call's included, then XLA (a first call of 10^4
+        small fits takes about 2 s instead of XLA's 9-11 s of compile; the
+        two round differently).
       jac: optional ``jac(x, *args) -> [B, N, P]``, the residuals' Jacobian
         (TensorFlow ops), used instead of forward-mode differentiation
         (scipy's callable ``jac``); masked rows are zeroed here.
@@ -239,7 +260,7 @@ def curve_fit(f, xdata, ydata, p0, sigma=None, bounds=(-np.inf, np.inf),
                               "ftol", "max_attempts", "jit_compile", "jac"}
     if unknown:
         raise TypeError(f"curve_fit: unexpected keyword arguments {sorted(unknown)}.")
-    jit_compile = options.pop("jit_compile", True)
+    jit_compile = options.pop("jit_compile", "auto")
     jac = options.pop("jac", None)
     _check_curve_inputs(xdata, ydata, p0)
     absolute_sigma = _estimator(estimator, ydata, sigma, loss, absolute_sigma)
@@ -476,20 +497,21 @@ def _compiled(kind, fn, options, key, jit_compile, full_output, free=None):
 
         return tf.function(chunk, jit_compile=jit_compile, autograph=False)
 
-    def identity(f):
-        if f is None:
-            return None
-        try:
-            return solve_cache.function_key(f)
-        except TypeError:
-            return solve_cache.Identity(f)
-
-    function = tuple(identity(f) for f in fn)   # (the model, its jac)
+    function = tuple(_identity(f) for f in fn)   # (the model, its jac)
     found, _ = solve_cache.SOLVES.lookup(
         ("least_squares_batched", kind, function, key, jit_compile, full_output,
          free),
         build)
     return found
+
+
+def _identity(f):
+    if f is None:
+        return None
+    try:
+        return solve_cache.function_key(f)
+    except TypeError:
+        return solve_cache.Identity(f)
 
 
 def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
@@ -524,7 +546,12 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
         budget = (CHUNK_ELEMENTS if tf.config.list_logical_devices("GPU")
                   else CHUNK_ELEMENTS_CPU)
         batch_size = max(1, budget // max(n_points * p, 1))
-    size = int(min(batch_size, batch))
+        # A smaller call: a power of two of problems (padded), so that calls
+        # of other sizes (a movie's frames) reuse one trace and one compile.
+        size = int(min(batch_size, 1 << max(batch - 1, 0).bit_length()))
+    else:
+        size = int(min(batch_size, batch))
+    jit_compile = _engine(jit_compile, (kind, fn, key, full_output, free), batch, name)
     solve = _compiled(kind, fn, options, key, jit_compile, full_output, free)
     outputs = []
     bar = _Progress(batch, name) if progress else None
@@ -568,6 +595,22 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
         stationarity=sol.stationarity, damping=sol.damping, grad=sol.grad,
         active_mask=sol.active_mask, fun=sol.fun, jac=sol.jac,
         undetermined=fit_report.undetermined(cov), stopped_by=sol.stopped_by)
+
+
+def _engine(jit_compile, key, batch, name):
+    """XLA or not for this call (`AUTO_XLA_FITS`)."""
+    if isinstance(jit_compile, bool):
+        return jit_compile
+    if jit_compile != "auto":
+        raise ValueError(f"{name}: `jit_compile` must be True, False or 'auto'. "
+                         f"Received: jit_compile={jit_compile!r}")
+    kind, fn, options_key, full_output, free = key
+    key = (kind, tuple(_identity(f) for f in fn), options_key, full_output, free)
+    given = _AUTO_FITS.pop(key, 0) + batch
+    if len(_AUTO_FITS) >= _AUTO_KEYS_MAX:
+        del _AUTO_FITS[next(iter(_AUTO_FITS))]   # the least recently used
+    _AUTO_FITS[key] = given
+    return given >= AUTO_XLA_FITS
 
 
 def _expand_fixed(sol, cov, free, p, full0):

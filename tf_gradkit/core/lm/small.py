@@ -38,16 +38,25 @@ def by_columns(p):
 def jacobian_columns(residual_fn, x):
     """``(residual_fn(x) [B, N], [column_j [B, N] for j < P])``: one JVP per
     parameter, each seeded with that parameter's unit vector for every fit;
-    the residuals are the first JVP's primal output."""
+    the residuals are the first JVP's primal output. The JVP is traced once
+    (a nested ``tf.function`` called P times with the P tangents: the user's
+    function and forward mode's per-op rules are traced once, not P times;
+    XLA inlines the calls, so the compiled program is the same)."""
     p = x.shape[-1]
+
+    def jvp(x, tangent):
+        with tf.autodiff.ForwardAccumulator(x, tangent) as acc:
+            r = residual_fn(x)
+        return r, acc.jvp(r, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+    jvp = tf.function(jvp, autograph=False)
     columns, residuals = [], None
     for j in range(p):
         tangent = tf.one_hot(tf.fill(tf.shape(x)[:1], j), p, dtype=x.dtype)
-        with tf.autodiff.ForwardAccumulator(x, tangent) as acc:
-            r = residual_fn(x)
+        r, column = jvp(x, tangent)
         if residuals is None:
             residuals = r
-        columns.append(acc.jvp(r, unconnected_gradients=tf.UnconnectedGradients.ZERO))
+        columns.append(column)
     return residuals, columns
 
 
