@@ -503,3 +503,41 @@ def test_small_calls_share_a_power_of_two_chunk(monkeypatch):
     tf_gradkit.curve_fit(gaussian, xy, y, p0, batch_size=640, jit_compile=False)
     _clear_solves()
     assert built == [640], built     # no second loop for the tail
+
+
+@pytest.mark.parametrize("m, p", [(25, 5), (7, 7), (3, 5), (40, 1)])
+def test_unrolled_qr_matches_library(m, p):
+    """The unrolled Householder QR (the covariance's factor under XLA) against
+    ``tf.linalg.qr``: R and Q^T b equal up to each row's sign, to float64
+    round-off (1e-13 on entries of order 1-10), also with fewer rows than
+    columns (R is then min(M, P) x P); control: R^T R = A^T A."""
+    rng = np.random.default_rng(m * 10 + p)
+    a = tf.constant(rng.normal(size=(6, m, p)))
+    b = tf.constant(rng.normal(size=(6, m)))
+    r, qtb = tf.function(batched_parts.unrolled_qr, jit_compile=True,
+                         autograph=False)(a, b)
+    q_ref, r_ref = tf.linalg.qr(a)
+    sign = np.sign(np.diagonal(r.numpy(), axis1=1, axis2=2)) * np.sign(
+        np.diagonal(r_ref.numpy(), axis1=1, axis2=2))
+    np.testing.assert_allclose(r.numpy() * sign[..., None], r_ref.numpy(), atol=1e-13)
+    np.testing.assert_allclose(qtb.numpy() * sign,
+                               tf.linalg.matvec(q_ref, b, transpose_a=True).numpy(),
+                               atol=1e-13)
+    np.testing.assert_allclose(tf.linalg.matmul(r, r, transpose_a=True).numpy(),
+                               tf.linalg.matmul(a, a, transpose_a=True).numpy(), atol=1e-12)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_fewer_points_than_parameters(jit_compile):
+    """N < P (2 points, a quadratic): the fit passes through the points and
+    its covariance is all inf (scipy's convention, `undetermined`), under XLA
+    too (its unrolled QR of the final 2 x 3 Jacobian failed to trace)."""
+    t = np.array([0.0, 1.0])
+    y = np.array([[1.0, 2.0], [2.0, 3.5]])
+    fit = tf_gradkit.curve_fit(
+        lambda t, p: p[:, 0:1] + p[:, 1:2] * t + p[:, 2:3] * t * t, t, y, np.ones([2, 3]),
+        jit_compile=jit_compile)
+    x = fit.x.numpy()
+    np.testing.assert_allclose(x[:, :1] + x[:, 1:2] * t + x[:, 2:3] * t * t, y, atol=1e-8)
+    assert np.all(np.isinf(fit.covariance.numpy())), fit.covariance.numpy()
+    assert np.all(fit.undetermined.numpy())

@@ -17,6 +17,7 @@ lower their precision.
 
 from typing import NamedTuple, Optional
 
+import numpy as np
 import tensorflow as tf
 
 from tf_gradkit.core import precision
@@ -240,36 +241,38 @@ def unrolled_cholesky_solve(a, rhs):
 
 def unrolled_qr(a, rhs=None):
     """Householder QR per problem, unrolled over the P columns (for XLA, as
-    `unrolled_cholesky_solve`): ``a`` [B, M, P] -> ``R`` [B, P, P] (upper
-    triangular) and, with ``rhs`` [B, M], ``Q^T rhs`` [B, P]. (As the damped
+    `unrolled_cholesky_solve`): ``a`` [B, M, P] -> ``R`` [B, K, P] (upper
+    triangular, K = min(M, P), as ``tf.linalg.qr``) and, with ``rhs``
+    [B, M], ``Q^T rhs`` [B, K]. (As the damped
     solve it measured no faster than XLA's own QR, both far slower than the
     Cholesky solve on the 2-D Gaussian; it factors the final Jacobian for
     the covariance.)"""
-    p = a.shape[-1]
-    tails = [a[:, :, j] for j in range(p)]
-    rows = [[None] * p for _ in range(p)]
+    m, p = a.shape[-2], a.shape[-1]
+    row = np.arange(m)
+    cols = [a[:, :, j] for j in range(p)]   # full length: rows < j are done
+    rows = [[None] * p for _ in range(min(m, p))]   # R is K x P, K = min(M, P)
     qtb = []
-    for j in range(p):
-        x = tails[j]
+    for j in range(min(m, p)):
+        # The reflector of column j's rows j.. as a full-length vector, zero
+        # above row j (no shrinking copies: one elementwise pass per column).
+        x = tf.where(tf.constant(row >= j), cols[j], tf.zeros_like(cols[j]))
         x_norm = norm(x)
-        head = x[:, 0]
+        head = cols[j][:, j]
         alpha = -tf.where(head >= 0, tf.ones_like(head), -tf.ones_like(head)) * x_norm
-        v = tf.concat([(head - alpha)[:, None], x[:, 1:]], axis=-1)
+        v = tf.where(tf.constant(row == j), (head - alpha)[:, None], x)
         v2 = dot(v, v)
         beta = tf.where(v2 > 0, 2.0 / tf.where(v2 > 0, v2, tf.ones_like(v2)),
                         tf.zeros_like(v2))
         rows[j][j] = alpha
         for k in range(j + 1, p):
-            c = tails[k] - (beta * dot(v, tails[k]))[:, None] * v
-            rows[j][k] = c[:, 0]
-            tails[k] = c[:, 1:]
+            cols[k] = cols[k] - (beta * dot(v, cols[k]))[:, None] * v
+            rows[j][k] = cols[k][:, j]
         if rhs is not None:
-            c = rhs - (beta * dot(v, rhs))[:, None] * v
-            qtb.append(c[:, 0])
-            rhs = c[:, 1:]
+            rhs = rhs - (beta * dot(v, rhs))[:, None] * v
+            qtb.append(rhs[:, j])
         for i in range(j):
             rows[j][i] = tf.zeros_like(alpha)
-    r = tf.stack([tf.stack(row, axis=-1) for row in rows], axis=-2)
+    r = tf.stack([tf.stack(r_row, axis=-1) for r_row in rows], axis=-2)
     return r, (tf.stack(qtb, axis=-1) if rhs is not None else None)
 
 
