@@ -269,7 +269,8 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         problem = whole_solve.make_problem(
             traced_fn, var_list, dtype, robust, solver, max_iterations,
             max_attempts, geodesic_acceleration, history)
-        return whole_solve.solve(problem, tolerances, box, phases, with_covariance)
+        return _finish(whole_solve.solve(problem, tolerances, box, phases,
+                                         with_covariance))
 
     tolerances = whole_solve.Tolerances(*(tf.constant(t, dtype)
                                           for t in (gtol, xtol, ftol)))
@@ -287,9 +288,7 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                    jit_compile, dtype.name, history)
         out = _compiled(build, residual_fn, inputs, jit_compile, key)(*inputs)
     (it, code, damping, cost, optimality, cosine, x, fun, jac, grad, mask, cov,
-     stopped_by) = out[:13]
-    if cov is not None:
-        cov = fit_report.without_covariance(cov, tf.equal(code, NON_FINITE_START))
+     stopped_by, converged, undetermined) = out[:15]
     if tf.executing_eagerly() and int(code) == StopReason.NON_FINITE_START:
         raise ValueError(
             "least_squares: the residuals of `residual_fn` are not finite at the "
@@ -297,20 +296,18 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
             f"Received: cost {float(cost)} at the values in `var_list`; start "
             "where every residual is finite.")
     if history:
-        _print_history(out[13].numpy()[:int(it)])
+        _print_history(out[15].numpy()[:int(it)])
     if verbose:
         print(f"least_squares: {whole_solve.reason_text(REASONS, code, stopped_by)}. "
               f"Iterations "
               f"{int(it)}, final cost {float(cost):.4e}, first-order optimality "
               f"{float(optimality):.2e}.")
-    return LeastSquaresResult(cost=cost, iterations=it,
-                              converged=(code >= 1) & (code <= 3),
+    return LeastSquaresResult(cost=cost, iterations=it, converged=converged,
                               reason_code=code, damping=damping,
                               optimality=optimality, stationarity=cosine,
                               x=x, fun=fun, jac=jac, grad=grad,
                               active_mask=mask, covariance=cov,
-                              undetermined=(None if cov is None
-                                            else fit_report.undetermined(cov)),
+                              undetermined=undetermined,
                               stopped_by=stopped_by)
 
 
@@ -363,16 +360,42 @@ def _compile(build, residual_fn, inputs, jit_compile):
                            input_signature=[solve_cache.input_spec(t) for t in inputs])
     if not jit_compile:
         return compiled
-    pcov = tf.function(covariance, autograph=False)
+    def finished_covariance(jac, cost, code):
+        cov = _unusable_nan(covariance(jac, cost), code)
+        return cov, fit_report.undetermined(cov)
+
+    pcov = tf.function(finished_covariance, autograph=False)
 
     def with_covariance(*args):
         out = compiled(*args)
-        jac, cost = out[8], out[3]
+        jac, cost, code = out[8], out[3], out[1]
         # out[11] is the covariance slot (None here); out[12] stopped_by;
-        # out[13:] the verbose=2 record when kept.
-        return out[:11] + (None if jac is None else pcov(jac, cost),) + out[12:]
+        # out[13] converged; out[14] undetermined (None here); out[15:] the
+        # verbose=2 record when kept.
+        if jac is None:
+            return out
+        cov, undetermined = pcov(jac, cost, code)
+        return out[:11] + (cov,) + out[12:14] + (undetermined,) + out[15:]
 
     return with_covariance
+
+
+def _unusable_nan(cov, code):
+    return fit_report.without_covariance(cov, tf.equal(code, NON_FINITE_START))
+
+
+def _finish(out):
+    """The solve's outputs with ``converged``, the covariance NaN where the
+    fit never ran and ``undetermined`` added after ``stopped_by`` (out[13],
+    out[14]), computed in the traced solve: as eager ops they cost a repeated
+    small fit about 0.1 ms."""
+    code, cov = out[1], out[11]
+    converged = (code >= 1) & (code <= 3)
+    undetermined = None
+    if cov is not None:
+        cov = _unusable_nan(cov, code)
+        undetermined = fit_report.undetermined(cov)
+    return out[:11] + (cov, out[12], converged, undetermined) + out[13:]
 
 
 def _autograph(fn):
