@@ -31,11 +31,14 @@ from tf_gradkit.core.lm.robust import RobustLoss
 
 # Jacobian elements (chunk x N x P) per chunk when `batch_size` is None: on a
 # GPU 2**24 (64 MB in float32; with the solver's copies a chunk needs a few
-# times that, so 10^6 fits of 225 points run in a few GB); on CPUs 2**20,
-# which keeps a chunk in cache (measured faster per fit than larger chunks:
-# docs/batched_fits.md).
+# times that, so 10^6 fits of 225 points run in a few GB); on CPUs 4 MB of
+# Jacobian (2**20 float32 or 2**19 float64 elements), each of the P columns
+# ~840 KB, which keeps a chunk's passes in cache (measured faster per fit
+# than larger chunks: on the float64 bounded decay, 100 points, 1,048 fits
+# per chunk ran 18k fits per CPU-second, the 2,097 of a 2**20-element
+# budget 12-15k; docs/batched_fits.md).
 CHUNK_ELEMENTS = 2 ** 24
-CHUNK_ELEMENTS_CPU = 2 ** 20
+CHUNK_BYTES_CPU = 2 ** 22
 
 # jit_compile="auto" (the default): a plain ``tf.function`` until this
 # function, with these options, has been given this many fits in this
@@ -144,7 +147,8 @@ def least_squares_batched(fun, x0, args=(), *, mask=None, bounds=None,
         parameters, else "qr", as `least_squares` resolves it;
         ``controller`` a name or a damping object).
       batch_size: problems per compiled chunk (memory); default: about
-        ``2**24 / (N * P)`` with a GPU, ``2**20 / (N * P)`` without, and a
+        ``2**24 / (N * P)`` with a GPU, ``2**22 / (N * P * itemsize)``
+        without (``2**20 / (N * P)`` in float32), and a
         smaller call rounded up to a power of two of problems (padded), so
         that calls of other sizes reuse the traced and compiled solve.
       full_output: also return ``fun`` and ``jac`` at the solutions.
@@ -544,7 +548,7 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
         n_points = _residual_count(fn[0], full0, per_fit, name)
     if batch_size is None:
         budget = (CHUNK_ELEMENTS if tf.config.list_logical_devices("GPU")
-                  else CHUNK_ELEMENTS_CPU)
+                  else CHUNK_BYTES_CPU // dtype.size)
         batch_size = max(1, budget // max(n_points * p, 1))
         # A smaller call: a power of two of problems (padded), so that calls
         # of other sizes (a movie's frames) reuse one trace and one compile.
