@@ -503,6 +503,13 @@ def test_small_calls_share_a_power_of_two_chunk(monkeypatch):
     tf_gradkit.curve_fit(gaussian, xy, y, p0, batch_size=640, jit_compile=False)
     _clear_solves()
     assert built == [640], built     # no second loop for the tail
+    # least_squares_batched is not padded: a `fun` closing over its 3 fits' data works
+    built.clear()
+    xy, y, p0 = spots(3, dtype=np.float64, seed=6)
+    fit = tf_gradkit.least_squares_batched(lambda x: gaussian(xy, x) - y, p0,
+                                           jit_compile=False)
+    _clear_solves()
+    assert built == [3] and np.all(fit.converged.numpy()), (built, fit.status)
 
 
 @pytest.mark.parametrize("m, p", [(25, 5), (7, 7), (3, 5), (40, 1)])

@@ -148,9 +148,8 @@ def least_squares_batched(fun, x0, args=(), *, mask=None, bounds=None,
         ``controller`` a name or a damping object).
       batch_size: problems per compiled chunk (memory); default: about
         ``2**24 / (N * P)`` with a GPU, ``2**22 / (N * P * itemsize)``
-        without (``2**20 / (N * P)`` in float32), and a
-        smaller call rounded up to a power of two of problems (padded), so
-        that calls of other sizes reuse the traced and compiled solve.
+        without (``2**20 / (N * P)`` in float32); a smaller call is one
+        chunk of its size (`curve_fit` rounds it up to a power of two).
       full_output: also return ``fun`` and ``jac`` at the solutions.
       jit_compile: True: compile each chunk's solve with XLA; False: a plain
         ``tf.function``; "auto" (default): plain until this function with
@@ -538,6 +537,7 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
         if free is not None and lower is not None:
             lower, upper = (fixed_lib.take_columns(lower, free),
                             fixed_lib.take_columns(upper, free))
+    batch_size_given = batch_size
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
             batch_size, (int, np.integer)) or batch_size < 1):
         raise ValueError(f"{name}: `batch_size` must be an integer >= 1 or None. "
@@ -550,8 +550,12 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
         budget = (CHUNK_ELEMENTS if tf.config.list_logical_devices("GPU")
                   else CHUNK_BYTES_CPU // dtype.size)
         batch_size = max(1, budget // max(n_points * p, 1))
-        # A smaller call: a power of two of problems (padded), so that calls
-        # of other sizes (a movie's frames) reuse one trace and one compile.
+    if kind != "fun" and batch_size_given is None:
+        # `curve_fit` (its per-fit data all chunked here): a smaller call is
+        # padded to a power of two of problems, so that calls of other sizes
+        # (a movie's frames) reuse one trace and one compile. Not for
+        # `least_squares_batched`, whose `fun` may close over its problems'
+        # data: a call smaller than a chunk runs unpadded there, as before.
         size = int(min(batch_size, 1 << max(batch - 1, 0).bit_length()))
     else:
         size = int(min(batch_size, batch))
