@@ -437,7 +437,7 @@ def test_auto_engine_is_plain_until_the_fits_pay_for_xla(monkeypatch):
     bit for bit); a call that alone reaches the threshold compiles at once,
     and other options count apart."""
     monkeypatch.setattr(fitting, "AUTO_XLA_FITS", 12)
-    monkeypatch.setattr(fitting, "_AUTO_FITS", {})
+    monkeypatch.setattr(fitting, "_AUTO_FITS", solve_cache.SolveCache(maxsize=16))
     xy, y, p0 = spots(6, dtype=np.float64, seed=5)
     engines = []
     real = fitting._compiled
@@ -470,18 +470,41 @@ def test_jit_compile_refused_by_name(jit_compile):
     with pytest.raises(ValueError, match=r"curve_fit: `jit_compile` must be True, "
                        r"False or 'auto'. Received: jit_compile="):
         tf_gradkit.curve_fit(gaussian, xy, y, p0, jit_compile=jit_compile)
+    ran = []
+
+    def fun(p):
+        ran.append(1)
+        return p - 1.0
+
     with pytest.raises(ValueError, match=r"least_squares_batched: `jit_compile`"):
-        tf_gradkit.least_squares_batched(lambda p: p - 1.0, np.zeros([2, 2]),
-                                         jit_compile=jit_compile)
+        tf_gradkit.least_squares_batched(fun, np.zeros([2, 2]), jit_compile=jit_compile)
+    assert not ran      # refused before the user's function ran
+
+
+def test_model_closing_over_per_fit_data_is_refused_by_name():
+    """`f` closing over a per-fit array does not follow the chunks: refused
+    naming `f`, the chunk's shape and where per-fit data go (17 fits run
+    as a chunk of 18)."""
+    xy, y, p0 = spots(17, dtype=np.float64, seed=7)
+    offset = np.zeros([17, 1])
+
+    def model(xy, p):
+        return gaussian(xy, p) + offset
+
+    with pytest.raises(ValueError, match=r"curve_fit: `f\(xdata, params\)` failed for "
+                       r"`params` of shape \[18, 5\].*`xdata`"):
+        tf_gradkit.curve_fit(model, xy, y, p0, jit_compile=False)
 
 
 def test_small_calls_share_a_power_of_two_chunk(monkeypatch):
-    """A call smaller than a chunk runs padded to a power of two of fits: 3,
-    4 and then 1 fit trace one solve of 4 and one of 1 (the ones a movie's
+    """A call smaller than a chunk runs padded by at most 1/8 (`_padded`): 17
+    and 18 fits trace one solve of 18, 1 fit one of 1 (sizes a movie's
     frames of changing spot counts reuse); each fit ends as in a call of its
     own (the padding rows do not touch it: x bit for bit in the same chunk
     shape), and plain mode traces no compacted tail."""
-    xy, y, p0 = spots(4, dtype=np.float64, seed=6)
+    assert [fitting._padded(b) for b in (1, 7, 9, 10, 17, 1000, 70000)] == [
+        1, 7, 9, 10, 18, 1024, 73728]
+    xy, y, p0 = spots(18, dtype=np.float64, seed=6)
     built = []
     real = batched._problems
 
@@ -491,13 +514,13 @@ def test_small_calls_share_a_power_of_two_chunk(monkeypatch):
 
     monkeypatch.setattr(batched, "_problems", spy)
     _clear_solves()
-    three = tf_gradkit.curve_fit(gaussian, xy, y[:3], p0[:3], jit_compile=False)
-    four = tf_gradkit.curve_fit(gaussian, xy, y, p0, jit_compile=False)
+    part = tf_gradkit.curve_fit(gaussian, xy, y[:17], p0[:17], jit_compile=False)
+    whole = tf_gradkit.curve_fit(gaussian, xy, y, p0, jit_compile=False)
     one = tf_gradkit.curve_fit(gaussian, xy, y[1], p0[1], jit_compile=False)
-    assert built == [4, 1], built
-    np.testing.assert_array_equal(three.x.numpy(), four.x.numpy()[:3])
+    assert built == [18, 1], built
+    np.testing.assert_array_equal(part.x.numpy(), whole.x.numpy()[:17])
     # (one fit runs in a chunk of 1, other kernels: round-off apart)
-    np.testing.assert_allclose(one.x.numpy(), four.x.numpy()[1], rtol=1e-12)
+    np.testing.assert_allclose(one.x.numpy(), whole.x.numpy()[1], rtol=1e-12)
     xy, y, p0 = spots(640, dtype=np.float64, seed=4)
     built.clear()
     tf_gradkit.curve_fit(gaussian, xy, y, p0, batch_size=640, jit_compile=False)
@@ -535,16 +558,31 @@ def test_unrolled_qr_matches_library(m, p):
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
-def test_fewer_points_than_parameters(jit_compile):
+@pytest.mark.parametrize("absolute_sigma", [False, True])
+def test_fewer_points_than_parameters(jit_compile, absolute_sigma):
     """N < P (2 points, a quadratic): the fit passes through the points and
     its covariance is all inf (scipy's convention, `undetermined`), under XLA
-    too (its unrolled QR of the final 2 x 3 Jacobian failed to trace)."""
+    too (its unrolled QR of the final 2 x 3 Jacobian failed to trace), and
+    with absolute sigmas (no dof test: the 2 singular values of 3 parameters
+    had given a finite pseudo-inverse); `least_squares` alike."""
     t = np.array([0.0, 1.0])
     y = np.array([[1.0, 2.0], [2.0, 3.5]])
-    fit = tf_gradkit.curve_fit(
-        lambda t, p: p[:, 0:1] + p[:, 1:2] * t + p[:, 2:3] * t * t, t, y, np.ones([2, 3]),
-        jit_compile=jit_compile)
+    with pytest.warns(UserWarning, match="covariance"):
+        fit = tf_gradkit.curve_fit(
+            lambda t, p: p[:, 0:1] + p[:, 1:2] * t + p[:, 2:3] * t * t, t, y,
+            np.ones([2, 3]), jit_compile=jit_compile, absolute_sigma=absolute_sigma)
     x = fit.x.numpy()
     np.testing.assert_allclose(x[:, :1] + x[:, 1:2] * t + x[:, 2:3] * t * t, y, atol=1e-8)
     assert np.all(np.isinf(fit.covariance.numpy())), fit.covariance.numpy()
     assert np.all(fit.undetermined.numpy())
+
+
+
+def test_single_solve_fewer_points_than_parameters():
+    """`least_squares` with 2 residuals and 3 parameters: covariance all inf."""
+    q = tf.Variable([1.0, 1.0, 1.0], dtype=tf.float64)
+    t = tf.constant([0.0, 1.0], tf.float64)
+    out = tf_gradkit.least_squares(lambda: q[0] + q[1] * t + q[2] * t * t - [1.0, 2.0],
+                                   [q])
+    assert bool(out.converged) and bool(out.undetermined)
+    assert np.all(np.isinf(out.covariance.numpy()))

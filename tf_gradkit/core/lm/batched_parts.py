@@ -277,7 +277,7 @@ def unrolled_qr(a, rhs=None):
 
 
 def triangular_factor(jac):
-    """``R`` [B, P, P] of a QR of ``jac`` [B, N, P] (its singular values and
+    """``R`` [B, min(N, P), P] of a QR of ``jac`` [B, N, P] (its singular values and
     right vectors are ``jac``'s: `covariance` needs only this)."""
     if jac.shape[-1] <= UNROLL_MAX_PARAMS and spd._in_xla():
         return unrolled_qr(jac)[0]

@@ -35,8 +35,9 @@ SMALL_PRODUCT_PARAMS = 10
 
 
 def covariance_from_svd(s, v, counts, cost, absolute=False):
-    """``pcov`` from the Jacobian's singular values ``s`` ``[..., P]``
-    (descending) and right singular vectors ``v`` ``[..., P, P]``.
+    """``pcov`` from the Jacobian's singular values ``s`` ``[..., K]``
+    (descending) and right singular vectors ``v`` ``[..., P, K]`` (K = P, or
+    fewer with fewer points than parameters: then rank-deficient, ``inf``).
 
     The pseudo-inverse of ``J^T J`` (singular values above ``eps * max(n, P)
     * s_max`` kept, scipy ``trf``'s cut) times ``2 cost / (n - P)`` unless
@@ -50,7 +51,7 @@ def covariance_from_svd(s, v, counts, cost, absolute=False):
       absolute: scipy's ``absolute_sigma``.
     """
     dtype = s.dtype
-    p = s.shape[-1]
+    p = v.shape[-2] if v.shape[-2] is not None else s.shape[-1]
     eps = float(np.finfo(dtype.as_numpy_dtype).eps)
     counts = tf.cast(counts, dtype)
     cut = eps * tf.maximum(counts, float(p))[..., None] * s[..., :1]
@@ -69,6 +70,10 @@ def covariance_from_svd(s, v, counts, cost, absolute=False):
     # reduce_all, not a negated comparison: NaN singular values count as
     # deficient in graphs too (Grappler rewrites ~(a > b) into a <= b).
     determined = tf.reduce_all(kept, axis=-1)
+    if s.shape[-1] is not None and p is not None and s.shape[-1] < p:
+        # Fewer singular values than parameters (N < P): rank-deficient, also
+        # with absolute sigmas (no dof test then to catch it).
+        determined = tf.zeros_like(determined)
     if not absolute:
         dof = counts - float(p)
         factor = 2.0 * cost / tf.where(dof > 0, dof, tf.ones_like(dof))

@@ -47,12 +47,14 @@ CHUNK_BYTES_CPU = 2 ** 22
 # first call about 2 s, and XLA then runs each fit 3-10x faster (on Gpufit's
 # Gaussians, 2 against 21 us per 5x5 fit, 21 against 70 us per 15x15 fit,
 # 2026-11-28, docs/batched_fits.md). So 10^4 fits take 2-3 s instead of
-# 9-11 s, while a call of 10^5 fits, or the 100th call of 10^3, compiles
+# 9-11 s, while a call of 10^5 fits, or the 66th call of 10^3, compiles
 # and runs at XLA's speed. The two engines round differently: pass
 # ``jit_compile=True`` or ``False`` for one of them throughout.
 AUTO_XLA_FITS = 2 ** 16
-_AUTO_FITS = {}   # fits given so far per `_compiled` key under "auto"
-_AUTO_KEYS_MAX = 1024
+# Fits given so far per function and options under "auto": an LRU of
+# `solve_cache.SOLVES`'s size (the functions it keeps alive are bounded as
+# that cache's are).
+_AUTO_FITS = solve_cache.SolveCache(maxsize=solve_cache.SOLVES.maxsize)
 
 
 class BatchedFitResult(NamedTuple):
@@ -149,7 +151,8 @@ def least_squares_batched(fun, x0, args=(), *, mask=None, bounds=None,
       batch_size: problems per compiled chunk (memory); default: about
         ``2**24 / (N * P)`` with a GPU, ``2**22 / (N * P * itemsize)``
         without (``2**20 / (N * P)`` in float32); a smaller call is one
-        chunk of its size (`curve_fit` rounds it up to a power of two).
+        chunk of its size (`curve_fit` pads it by at most 1/8, to one of a
+        few sizes per power of two).
       full_output: also return ``fun`` and ``jac`` at the solutions.
       jit_compile: True: compile each chunk's solve with XLA; False: a plain
         ``tf.function``; "auto" (default): plain until this function with
@@ -399,6 +402,13 @@ def _with_jacobian(residual_fn, jac_fn, name):
     return residual_fn
 
 
+# What a model's error says of chunks: per-fit data that `f` closes over
+# instead of taking through `xdata` does not follow the chunks.
+CHUNKS_TEXT = ("fits run in chunks, padded: per-fit data must come through "
+               "`xdata` (with a leading axis B, `xdata_per_fit=True`), `ydata` or "
+               "`sigma`, not an array `f` closes over")
+
+
 def _curve_residuals(fns, per_fit, shared, mask, mle=False):
     f, jac = fns
     xdata, ydata, sigma = per_fit
@@ -406,13 +416,21 @@ def _curve_residuals(fns, per_fit, shared, mask, mle=False):
         xdata = shared[0]
 
     def residual_fn(params):
-        model = f(xdata, params)
+        try:
+            model = f(xdata, params)
+        except (ValueError, TypeError, NotImplementedError,
+                tf.errors.InvalidArgumentError) as error:
+            raise ValueError(
+                f"curve_fit: `f(xdata, params)` failed for `params` of shape "
+                f"{params.shape.as_list()}, a chunk of the fits ({CHUNKS_TEXT}). "
+                f"Received: {type(error).__name__}: {error}") from error
         if model.shape.rank != 2 or model.shape[0] != ydata.shape[0] or \
                 model.shape[1] != ydata.shape[1]:
             raise ValueError(
                 "curve_fit: `f(xdata, params)` must return [B, N] like `ydata` "
                 f"({ydata.shape.as_list()}) for `params` [B, P] "
-                f"({params.shape.as_list()}). Received: shape {model.shape}")
+                f"({params.shape.as_list()}), a chunk of the fits ({CHUNKS_TEXT}). "
+                f"Received: shape {model.shape}")
         model = tf.cast(model, ydata.dtype)
         r = (poisson.residuals(model, ydata) if mle
              else (model - ydata) / sigma)
@@ -520,6 +538,7 @@ def _identity(f):
 def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
            full_output, jit_compile, absolute, name, parameters_to_fit=None,
            progress=False):
+    _check_jit_compile(jit_compile, name)   # before anything runs
     dtype = x0.dtype
     batch, p = int(x0.shape[0]), int(x0.shape[1])
     free = fixed_lib.free_indices(parameters_to_fit, p, name)
@@ -552,14 +571,15 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
         batch_size = max(1, budget // max(n_points * p, 1))
     if kind != "fun" and batch_size_given is None:
         # `curve_fit` (its per-fit data all chunked here): a smaller call is
-        # padded to a power of two of problems, so that calls of other sizes
-        # (a movie's frames) reuse one trace and one compile. Not for
-        # `least_squares_batched`, whose `fun` may close over its problems'
-        # data: a call smaller than a chunk runs unpadded there, as before.
-        size = int(min(batch_size, 1 << max(batch - 1, 0).bit_length()))
+        # padded up to a size of the form m * 2**k, 8 <= m < 16 (at most 1/8
+        # more work: 1,000 fits run as 1,024, 70,000 as 73,728), so that calls
+        # of other sizes (a movie's frames) reuse a few traces and compiles.
+        # Not for `least_squares_batched`, whose `fun` may close over its
+        # problems' data: a call smaller than a chunk runs unpadded there.
+        size = int(min(batch_size, _padded(batch)))
     else:
         size = int(min(batch_size, batch))
-    jit_compile = _engine(jit_compile, (kind, fn, key, full_output, free), batch, name)
+    jit_compile, given = _engine(jit_compile, (kind, fn, key, full_output, free), batch)
     solve = _compiled(kind, fn, options, key, jit_compile, full_output, free)
     outputs = []
     bar = _Progress(batch, name) if progress else None
@@ -588,6 +608,8 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
             lambda t, keep=keep: None if t is None else t[:keep], (out, cov)))
         if bar is not None:
             bar.update(stop)
+    if given is not None:   # counted once the fits ran
+        given[0] += batch
     solutions = [o[0] for o in outputs]
     sol = tf.nest.map_structure(
         lambda *ts: None if ts[0] is None else tf.concat(ts, axis=0), *solutions)
@@ -605,20 +627,27 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
         undetermined=fit_report.undetermined(cov), stopped_by=sol.stopped_by)
 
 
-def _engine(jit_compile, key, batch, name):
-    """XLA or not for this call (`AUTO_XLA_FITS`)."""
-    if isinstance(jit_compile, bool):
-        return jit_compile
-    if jit_compile != "auto":
+def _check_jit_compile(jit_compile, name):
+    if not isinstance(jit_compile, bool) and jit_compile != "auto":
         raise ValueError(f"{name}: `jit_compile` must be True, False or 'auto'. "
                          f"Received: jit_compile={jit_compile!r}")
+
+
+def _padded(batch):
+    """``batch`` rounded up to a multiple of 2**(bit length - 4)."""
+    step = 1 << max(batch.bit_length() - 4, 0)
+    return -(-batch // step) * step
+
+
+def _engine(jit_compile, key, batch):
+    """XLA or not for this call (`AUTO_XLA_FITS`), and the count to add to
+    once it ran (None when not "auto")."""
+    if isinstance(jit_compile, bool):
+        return jit_compile, None
     kind, fn, options_key, full_output, free = key
     key = (kind, tuple(_identity(f) for f in fn), options_key, full_output, free)
-    given = _AUTO_FITS.pop(key, 0) + batch
-    if len(_AUTO_FITS) >= _AUTO_KEYS_MAX:
-        del _AUTO_FITS[next(iter(_AUTO_FITS))]   # the least recently used
-    _AUTO_FITS[key] = given
-    return given >= AUTO_XLA_FITS
+    given, _ = _AUTO_FITS.lookup(key, lambda: [0])
+    return given[0] + batch >= AUTO_XLA_FITS, given
 
 
 def _expand_fixed(sol, cov, free, p, full0):
