@@ -269,14 +269,9 @@ def _clear_solves():
     solve_cache.SOLVES.clear()
 
 
-def test_compacted_tail_takes_the_same_steps(monkeypatch):
-    """When at most 1/16 of a chunk's fits still run, they go on gathered in
-    a batch that size (`batched.COMPACT_FRACTION`): each fit ends exactly as
-    in the loop over the whole chunk (float64; the same elementwise ops per
-    fit, so status and iterations equal and x to round-off), and the
-    compaction did happen (its `_problems` built for the gathered rows)."""
-    xy, y, p0 = spots(640, dtype=np.float64, seed=4)
-    p0[::40, 3] *= 2.5     # 16 starts far off in width: the slow tail
+def _spy_problems(monkeypatch):
+    """The list each loop's problem count is appended to as it is built
+    (`batched._problems`: the chunk's loop, then any compacted tail's)."""
     built = []
     real = batched._problems
 
@@ -285,6 +280,18 @@ def test_compacted_tail_takes_the_same_steps(monkeypatch):
         return real(residual_fn, counts, box, options)
 
     monkeypatch.setattr(batched, "_problems", spy)
+    return built
+
+
+def test_compacted_tail_takes_the_same_steps(monkeypatch):
+    """When at most 1/16 of a chunk's fits still run, they go on gathered in
+    a batch that size (`batched.COMPACT_FRACTION`): each fit ends exactly as
+    in the loop over the whole chunk (float64; the same elementwise ops per
+    fit, so status and iterations equal and x to round-off), and the
+    compaction did happen (its `_problems` built for the gathered rows)."""
+    xy, y, p0 = spots(640, dtype=np.float64, seed=4)
+    p0[::40, 3] *= 2.5     # 16 starts far off in width: the slow tail
+    built = _spy_problems(monkeypatch)
     _clear_solves()
     compact = tf_gradkit.curve_fit(gaussian, xy, y, p0, ftol=1e-10, batch_size=640,
                                    jit_compile=True)
@@ -393,12 +400,6 @@ def test_compaction_gathers_each_fits_data(monkeypatch, case):
     mask = np.arange(n)[None, :] < n - rng.integers(0, 10, b)[:, None]   # ragged
     upper = np.tile([np.inf, 50.0, np.inf], (b, 1))
     upper[1::7, 2] = 0.3               # a bound that holds for some fits
-    built = []
-    real = batched._problems
-
-    def spy(residual_fn, counts, box, options):
-        built.append(int(counts.shape[0]))
-        return real(residual_fn, counts, box, options)
 
     def solve():
         _clear_solves()
@@ -414,7 +415,7 @@ def test_compaction_gathers_each_fits_data(monkeypatch, case):
             x0 + np.c_[np.zeros((b, 2)), np.linspace(0.4, 0.6, b)], sigma=sigma,
             parameters_to_fit=[1, 1, 0], ftol=1e-12, batch_size=b, jit_compile=True)
 
-    monkeypatch.setattr(batched, "_problems", spy)
+    built = _spy_problems(monkeypatch)
     rng_state = rng.bit_generator.state
     compact = solve()
     assert built[:2] == [b, b // batched.COMPACT_FRACTION], built
@@ -505,14 +506,7 @@ def test_small_calls_share_a_power_of_two_chunk(monkeypatch):
     assert [fitting._padded(b) for b in (1, 7, 9, 10, 17, 1000, 70000)] == [
         1, 7, 9, 10, 18, 1024, 73728]
     xy, y, p0 = spots(18, dtype=np.float64, seed=6)
-    built = []
-    real = batched._problems
-
-    def spy(residual_fn, counts, box, options):
-        built.append(int(counts.shape[0]))
-        return real(residual_fn, counts, box, options)
-
-    monkeypatch.setattr(batched, "_problems", spy)
+    built = _spy_problems(monkeypatch)
     _clear_solves()
     part = tf_gradkit.curve_fit(gaussian, xy, y[:17], p0[:17], jit_compile=False)
     whole = tf_gradkit.curve_fit(gaussian, xy, y, p0, jit_compile=False)
