@@ -322,7 +322,7 @@ def curve_fit(f, xdata, ydata, p0, sigma=None, bounds=(-np.inf, np.inf),
                          max_iterations=max_iterations, **options),
                     batch_size, full_output, jit_compile, absolute=absolute_sigma,
                     name="curve_fit", parameters_to_fit=parameters_to_fit,
-                    progress=progress)
+                    progress=progress, pad_small=True)
     if one:
         result = BatchedFitResult(*[None if t is None else t[0] for t in result])
     if tf.executing_eagerly():
@@ -481,10 +481,10 @@ _RESIDUALS = {"fun": _fun_residuals, "curve": _curve_residuals,
               "curve_mle": lambda *a: _curve_residuals(*a, mle=True)}
 
 
-def _compiled(kind, fn, options, key, jit_compile, full_output, free=None):
-    """The chunk solve for ``fn`` and these options, from `solve_cache.SOLVES`
-    (`least_squares`'s cache; the tf.function keeps one trace per chunk
-    shape and dtype)."""
+def _compiled(kind, fn, options, key, jit_compile, full_output, free, function):
+    """The chunk solve for ``fn`` (whose `_identity` is ``function``) and
+    these options, from `solve_cache.SOLVES` (`least_squares`'s cache; the
+    tf.function keeps one trace per chunk shape and dtype)."""
 
     def build():
         def residuals_of(per_fit, shared, mask, full0):
@@ -518,7 +518,6 @@ def _compiled(kind, fn, options, key, jit_compile, full_output, free=None):
 
         return tf.function(chunk, jit_compile=jit_compile, autograph=False)
 
-    function = tuple(_identity(f) for f in fn)   # (the model, its jac)
     found, _ = solve_cache.SOLVES.lookup(
         ("least_squares_batched", kind, function, key, jit_compile, full_output,
          free),
@@ -537,7 +536,7 @@ def _identity(f):
 
 def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
            full_output, jit_compile, absolute, name, parameters_to_fit=None,
-           progress=False):
+           progress=False, pad_small=False):
     _check_jit_compile(jit_compile, name)   # before anything runs
     dtype = x0.dtype
     batch, p = int(x0.shape[0]), int(x0.shape[1])
@@ -569,7 +568,7 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
         budget = (CHUNK_ELEMENTS if tf.config.list_logical_devices("GPU")
                   else CHUNK_BYTES_CPU // dtype.size)
         batch_size = max(1, budget // max(n_points * p, 1))
-    if kind != "fun" and batch_size_given is None:
+    if pad_small and batch_size_given is None:
         # `curve_fit` (its per-fit data all chunked here): a smaller call is
         # padded up to a size of the form m * 2**k, 8 <= m < 16 (at most 1/8
         # more work: 1,000 fits run as 1,024, 70,000 as 73,728), so that calls
@@ -579,8 +578,10 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
         size = int(min(batch_size, _padded(batch)))
     else:
         size = int(min(batch_size, batch))
-    jit_compile, given = _engine(jit_compile, (kind, fn, key, full_output, free), batch)
-    solve = _compiled(kind, fn, options, key, jit_compile, full_output, free)
+    function = tuple(_identity(f) for f in fn)   # (the model, its jac): hashable
+    jit_compile, given = _engine(jit_compile, (kind, function, key, full_output, free),
+                                 batch)
+    solve = _compiled(kind, fn, options, key, jit_compile, full_output, free, function)
     outputs = []
     bar = _Progress(batch, name) if progress else None
     for start in range(0, batch, size):
@@ -640,12 +641,11 @@ def _padded(batch):
 
 
 def _engine(jit_compile, key, batch):
-    """XLA or not for this call (`AUTO_XLA_FITS`), and the count to add to
-    once it ran (None when not "auto")."""
+    """XLA or not for this call (`AUTO_XLA_FITS`) of the function and options
+    ``key`` (hashable), and the count to add to once it ran (None when not
+    "auto")."""
     if isinstance(jit_compile, bool):
         return jit_compile, None
-    kind, fn, options_key, full_output, free = key
-    key = (kind, tuple(_identity(f) for f in fn), options_key, full_output, free)
     given, _ = _AUTO_FITS.lookup(key, lambda: [0])
     return given[0] + batch >= AUTO_XLA_FITS, given
 
