@@ -6,6 +6,7 @@ of `curve_fit`, and the persistent XLA cache's rules."""
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -463,6 +464,69 @@ def test_auto_engine_is_plain_until_the_fits_pay_for_xla(monkeypatch):
     assert np.all(first.converged.numpy()) and np.all(second.converged.numpy())
     assert np.all(other.converged.numpy()) and np.all(big.converged.numpy())
     np.testing.assert_allclose(first.x.numpy(), second.x.numpy(), rtol=1e-6)
+
+
+def _times_host_one(t):
+    """``t`` times a 1 from the host (``tf.numpy_function``): an op XLA has
+    no kernel for, on a path that leaves the derivatives to ``t``."""
+    one = tf.numpy_function(lambda: np.array(1.0, t.dtype.as_numpy_dtype), [], t.dtype)
+    one.set_shape([])
+    return t * one
+
+
+def test_auto_engine_stays_plain_where_xla_cannot_compile(monkeypatch):
+    """``jit_compile="auto"`` chose XLA, not the user: a function XLA cannot
+    compile runs on the plain engine (bit for bit ``jit_compile=False``),
+    with one warning naming what XLA refused, and stays plain without
+    another attempt; asked for by name, XLA's error stands. The same rule
+    for `least_squares`, whose "auto" picks XLA from `AUTO_XLA_PARAMS`."""
+    monkeypatch.setattr(fitting, "AUTO_XLA_FITS", 6)
+    monkeypatch.setattr(fitting, "_AUTO_FITS", solve_cache.SolveCache(maxsize=16))
+    xy, y, p0 = spots(6, dtype=np.float64, seed=5)
+
+    def model(xy, p):
+        return _times_host_one(gaussian(xy, p))
+
+    _clear_solves()
+    fallback = r"jit_compile='auto' chose XLA for this function, which XLA cannot "
+    with pytest.warns(UserWarning, match=r"curve_fit: " + fallback + r"compile \(.*PyFunc"):
+        first = tf_gradkit.curve_fit(model, xy, y, p0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = tf_gradkit.curve_fit(model, xy, y, p0)
+    assert not [w for w in caught if "chose XLA" in str(w.message)]
+    plain = tf_gradkit.curve_fit(model, xy, y, p0, jit_compile=False)
+    np.testing.assert_array_equal(first.x.numpy(), plain.x.numpy())
+    np.testing.assert_array_equal(again.x.numpy(), plain.x.numpy())
+    assert np.all(first.converged.numpy())
+    with pytest.raises(tf.errors.InvalidArgumentError, match="PyFunc"):
+        tf_gradkit.curve_fit(model, xy, y, p0, jit_compile=True)
+
+    lsq = sys.modules["tf_gradkit.core.lm.least_squares"]
+    monkeypatch.setattr(lsq, "AUTO_XLA_PARAMS", 3)
+    t = tf.constant(np.linspace(0.0, 4.0, 40))
+    y = 2.5 * np.exp(-1.3 * t.numpy()) + 0.2
+    x = tf.Variable([1.0, 1.0, 0.0], dtype=tf.float64)
+
+    def residuals():
+        return _times_host_one(x[0] * tf.exp(-x[1] * t) + x[2] - y)
+
+    answers = []
+    for expect_warning in (True, False, None):
+        x.assign([1.0, 1.0, 0.0])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = tf_gradkit.least_squares(
+                residuals, [x], **({} if expect_warning is not None
+                                   else {"jit_compile": False}))
+        warned = [w for w in caught if "least_squares: " + fallback[:40] in str(w.message)]
+        assert len(warned) == bool(expect_warning), [str(w.message) for w in caught]
+        assert bool(result.converged)
+        answers.append(x.numpy())
+    np.testing.assert_array_equal(answers[0], answers[2])
+    np.testing.assert_array_equal(answers[1], answers[2])
+    np.testing.assert_allclose(answers[0], [2.5, 1.3, 0.2], rtol=1e-9)
+    _clear_solves()
 
 
 @pytest.mark.parametrize("jit_compile", ["yes", None, 1])

@@ -159,7 +159,8 @@ def least_squares_batched(fun, x0, args=(), *, mask=None, bounds=None,
         these options has been given `AUTO_XLA_FITS` (65,536) fits in this
         process, this call's included, then XLA (a first call of 10^4
         small fits takes about 2 s instead of XLA's 9-11 s of compile; the
-        two round differently).
+        two round differently). A function XLA cannot compile (e.g. it
+        calls ``tf.numpy_function``) stays plain, with a warning.
       jac: optional ``jac(x, *args) -> [B, N, P]``, the residuals' Jacobian
         (TensorFlow ops), used instead of forward-mode differentiation
         (scipy's callable ``jac``); masked rows are zeroed here.
@@ -582,6 +583,8 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
     jit_compile, given = _engine(jit_compile, (kind, function, key, full_output, free),
                                  batch)
     solve = _compiled(kind, fn, options, key, jit_compile, full_output, free, function)
+    # "auto" chose XLA: a function XLA cannot compile runs plain instead.
+    may_fall_back = given is not None and jit_compile
     outputs = []
     bar = _Progress(batch, name) if progress else None
     for start in range(0, batch, size):
@@ -590,12 +593,24 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
         def take(t, start=start, stop=stop):
             return _pad(t[start:stop], size)
 
-        out, counts, proven = solve(
-            take(x0), tf.nest.map_structure(take, per_fit), shared,
-            None if mask is None else take(mask),
-            None if lower is None else take(lower),
-            None if upper is None else take(upper),
-            take(full0) if free is not None else None, bool(absolute))
+        args = (take(x0), tf.nest.map_structure(take, per_fit), shared,
+                None if mask is None else take(mask),
+                None if lower is None else take(lower),
+                None if upper is None else take(upper),
+                take(full0) if free is not None else None, bool(absolute))
+        if may_fall_back:
+            may_fall_back = False
+
+            def plain():
+                return _compiled(kind, fn, options, key, False, full_output, free,
+                                 function)
+
+            (out, counts, proven), compiled = solve_cache.xla_or_plain(
+                solve, plain, args, name)
+            if not compiled:
+                given[1], solve = False, plain()
+        else:
+            out, counts, proven = solve(*args)
         if proven is not None and bool(tf.reduce_all(proven[1])):
             cov = proven[0]   # every factor finite and of full rank
         else:
@@ -642,12 +657,12 @@ def _padded(batch):
 
 def _engine(jit_compile, key, batch):
     """XLA or not for this call (`AUTO_XLA_FITS`) of the function and options
-    ``key`` (hashable), and the count to add to once it ran (None when not
-    "auto")."""
+    ``key`` (hashable), and its record ``[fits given, XLA can compile it]``
+    (None when not "auto"): the count is added to once the fits ran."""
     if isinstance(jit_compile, bool):
         return jit_compile, None
-    given, _ = _AUTO_FITS.lookup(key, lambda: [0])
-    return given[0] + batch >= AUTO_XLA_FITS, given
+    given, _ = _AUTO_FITS.lookup(key, lambda: [0, True])
+    return given[1] and given[0] + batch >= AUTO_XLA_FITS, given
 
 
 def _expand_fixed(sol, cov, free, p, full0):

@@ -192,7 +192,8 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         plain ``tf.function``; "auto" (default): XLA from `AUTO_XLA_PARAMS`
         parameters up, where the compile (seconds) pays for itself, a plain
         ``tf.function`` below (a small fit's first call in about a second,
-        a repeated one in milliseconds).
+        a repeated one in milliseconds); a function XLA cannot compile (e.g.
+        it calls ``tf.numpy_function``) runs plain there, with a warning.
       cache: reuse the traced solve of an earlier call with the same
         residual function, variables, shapes, dtypes and options (one call
         traces, later ones only run; `solve_cache`). The function is keyed
@@ -248,7 +249,8 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         if tf.executing_eagerly():
             box.check_feasible(lin_lib.flatten(var_list, dtype).numpy())
 
-    if jit_compile == "auto":
+    chosen = jit_compile == "auto"   # XLA chosen for the user, not by them
+    if chosen:
         jit_compile = num_params >= AUTO_XLA_PARAMS
     elif not isinstance(jit_compile, bool):
         raise ValueError("least_squares: `jit_compile` must be True, False or "
@@ -286,7 +288,20 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                    solve_cache.part_key(solver), max_attempts, robust.name,
                    robust.f_scale, box is None, geodesic_acceleration,
                    jit_compile, dtype.name, history)
-        out = _compiled(build, residual_fn, inputs, jit_compile, key)(*inputs)
+        solve = _compiled(build, residual_fn, inputs, jit_compile, key)
+        if chosen and jit_compile:
+            built = []
+
+            def plain():
+                built.append(_compile(build, residual_fn, inputs, False))
+                return built[-1]
+
+            out, compiled = solve_cache.xla_or_plain(solve, plain, inputs,
+                                                     "least_squares")
+            if not compiled and key is not None:   # later calls: plain at once
+                solve_cache.SOLVES.store(key, built[-1])
+        else:
+            out = solve(*inputs)
     (it, code, damping, cost, optimality, cosine, x, fun, jac, grad, mask, cov,
      stopped_by, converged, undetermined) = out[:15]
     if tf.executing_eagerly() and int(code) == StopReason.NON_FINITE_START:

@@ -38,14 +38,19 @@ alive; `SolveCache.clear` drops them all.
 
 import collections
 import hashlib
+import re
 import threading
 import types
+import warnings
 from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
 
 DEFAULT_MAXSIZE = 16
+# What XLA raises when it cannot compile a function: an op without an XLA
+# kernel (``tf.numpy_function``, string ops), a shape it needs static.
+XLA_REFUSALS = (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError)
 # How deep `function_key` follows the Python functions a function calls.
 MAX_DEPTH = 3
 # Lists, tuples and dicts up to this many items are compared item by item
@@ -137,6 +142,14 @@ class SolveCache:
                 self._entries.move_to_end(key)
                 self._evict()
         return entry, False
+
+    def store(self, key, entry):
+        """Puts ``entry`` under ``key`` (replacing what was there)."""
+        with self._lock:
+            if self._maxsize:
+                self._entries[key] = entry
+                self._entries.move_to_end(key)
+                self._evict()
 
     def _evict(self):
         while len(self._entries) > self._maxsize:
@@ -279,3 +292,29 @@ def input_spec(tensor):
     """A ``tf.TensorSpec`` of a tensor's shape and dtype (for an input)."""
     tensor = tf.convert_to_tensor(tensor)
     return tf.TensorSpec(tensor.shape, tensor.dtype)
+
+
+def xla_or_plain(xla, plain, args, name):
+    """``(xla(*args), True)``; where that raises one of `XLA_REFUSALS`,
+    ``(plain()(*args), False)`` with a warning naming ``name``.
+
+    For ``jit_compile="auto"``: the rule chose XLA for speed, not the user,
+    so a function XLA cannot compile runs as the plain ``tf.function`` it
+    ran as before (``plain`` builds it, only when needed), with the result
+    ``jit_compile=False`` gives. An error of the user's own raises from the
+    plain call. Nothing runs twice where XLA compiled: a refusal comes
+    before the program runs (and an XLA program writes its variables only
+    at its end)."""
+    try:
+        return xla(*args), True
+    except XLA_REFUSALS as error:
+        refusal = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        refusal = re.sub(r" when trying to compile graph \S+ on", " on", refusal)[:200]
+    out = plain()(*args)
+    warnings.warn(
+        f"{name}: jit_compile='auto' chose XLA for this function, which XLA cannot "
+        f"compile ({refusal}). It ran as a plain tf.function instead (the result "
+        "jit_compile=False gives) and stays plain for this function and these "
+        "options in this process. Pass jit_compile=False to skip the attempt.",
+        stacklevel=3)
+    return out, False
