@@ -7,10 +7,16 @@ case of issue 31 item 5. In one process:
   scipy        ``scipy.optimize.least_squares(method="trf")``: the baseline;
   repeat       ours, a repeated call (the traced solve comes from
                `core/lm/solve_cache.py`; ``jit_compile="auto"``, which is a
-               plain ``tf.function`` for 3 parameters);
+               plain ``tf.function`` for 3 parameters until the same function
+               has been called `AUTO_XLA_CALLS` times: keep ``--repeats`` x
+               ``--calls`` well under that);
   new data     ours, a repeated call after assigning new data to the
                ``tf.Variable`` the residual function reads;
   new lambda   ours, a new ``lambda`` (same line, same captures) each call;
+  repeat, after 1,024 calls
+               ours, a repeated call of a function already called
+               `AUTO_XLA_CALLS` times (the defaults: "auto" runs it with XLA
+               from then on; the call that compiles is shown apart);
   repeat XLA   ours with ``jit_compile=True``, a repeated call;
   first        ours, a first call: ``cache=False`` traces anew, as the first
                call of a new residual function does (the process's very first
@@ -31,6 +37,7 @@ Run: ``.venv/bin/python benchmarks/lsq_latency.py`` (about a minute of CPU;
 import argparse
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # this script only, before TF loads
@@ -66,6 +73,18 @@ def residuals():
 def ours(**options):
     p.assign(START)
     return tf_gradkit.least_squares(residuals, [p], **options).x.numpy()
+
+
+def residuals_repeated():
+    """The same residuals as `residuals`: a cache entry of its own, called
+    `AUTO_XLA_CALLS` times before timing, after which "auto" runs it with
+    XLA."""
+    return p[0] * tf.exp(-p[1] * t_tf) + p[2] - y_var
+
+
+def ours_after_switch():
+    p.assign(START)
+    return tf_gradkit.least_squares(residuals_repeated, [p]).x.numpy()
 
 
 def ours_new_lambda():
@@ -108,6 +127,11 @@ def main():
     check("process first", process_first[2], reference)
     ours(jit_compile=True)  # the XLA entry, compiled once before timing
     ours_new_lambda()  # its line's first call traces; later ones find the entry
+    calls = sys.modules["tf_gradkit.core.lm.least_squares"].AUTO_XLA_CALLS
+    switch = []
+    for _ in range(calls):   # "auto" turns to XLA at the last of these calls
+        switch.append(timed(ours_after_switch))
+    check("after switch", switch[-1][2], reference)
     new = data(1)[1]
 
     def new_data():
@@ -118,6 +142,7 @@ def main():
             y_var.assign(Y)
 
     repeated = {"repeat": ours, "new data": new_data, "new lambda": ours_new_lambda,
+                f"repeat, after {calls:,} calls (auto: XLA)": ours_after_switch,
                 "repeat XLA": lambda: ours(jit_compile=True)}
     rows = {name: [] for name in ["scipy", *repeated, "first", "first XLA"]}
     for _ in range(args.repeats):
@@ -137,12 +162,20 @@ def main():
                 timed(scipy_fit, args.calls)[:2]]
     lines = [f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} "
              "cores (figures measured under that load)", "",
-             "| call | wall ms (median [min-max]) | CPU ms | ratio to scipy (wall) |",
-             "|---|---|---|---|"]
+             "| call | wall ms (median [min-max]) | CPU ms | ratio to scipy (wall) "
+             "| ratio to scipy (CPU) |",
+             "|---|---|---|---|---|"]
     scipy_walls = [w for w, _ in rows["scipy"]]
+    scipy_cpu = statistics.median(c for _, c in rows["scipy"])
     lines.append("| process's first call (TF runtime start included) | "
                  f"{1e3 * process_first[0]:.0f} | {1e3 * process_first[1]:.0f} | "
-                 f"{process_first[0] / statistics.median(scipy_walls):.0f}x |")
+                 f"{process_first[0] / statistics.median(scipy_walls):.0f}x | "
+                 f"{process_first[1] / scipy_cpu:.0f}x |")
+    plain_cpu = [c for _, c, _ in switch[:-1]]
+    lines.append(f"| the {calls:,}th call of one function (auto's switch to XLA: "
+                 f"compile) | {1e3 * switch[-1][0]:.0f} | {1e3 * switch[-1][1]:.0f} | "
+                 f"| (calls 2-{calls - 1:,}: {1e3 * statistics.median(plain_cpu[1:]):.2f} "
+                 "ms CPU each) |")
     for name, samples in rows.items():
         if name.endswith(" scipy"):
             continue
@@ -152,9 +185,12 @@ def main():
         ratios = [w / b for w, b in zip(walls, baseline)]
         med, lo, hi = spread(walls)
         r_med, r_lo, r_hi = spread(ratios)
+        scipy_cpus = ([c for _, c in rows["scipy"]] if name not in ("first", "first XLA")
+                      else [c for _, c in rows[name + " scipy"]])
         lines.append(f"| {name} | {1e3 * med:.2f} [{1e3 * lo:.2f}-{1e3 * hi:.2f}] | "
                      f"{1e3 * statistics.median(cpus):.2f} | "
-                     f"{r_med:.2f}x [{r_lo:.2f}-{r_hi:.2f}] |")
+                     f"{r_med:.2f}x [{r_lo:.2f}-{r_hi:.2f}] | "
+                     f"{statistics.median(cpus) / statistics.median(scipy_cpus):.2f}x |")
     text = "\n".join(lines)
     print(text)
     write_result("lsq_latency.md", text)

@@ -466,6 +466,49 @@ def test_auto_engine_is_plain_until_the_fits_pay_for_xla(monkeypatch):
     np.testing.assert_allclose(first.x.numpy(), second.x.numpy(), rtol=1e-6)
 
 
+def test_least_squares_auto_engine_switches_after_repeated_calls(monkeypatch):
+    """`least_squares`' ``jit_compile="auto"`` below `AUTO_XLA_PARAMS`: a plain
+    tf.function until the same cached solve has been called
+    `AUTO_XLA_CALLS` times (this call included), XLA from then on; each call
+    gives bit for bit what the engine it ran on gives when asked for by name;
+    other options count apart, and ``cache=False`` calls are not counted."""
+    lsq = sys.modules["tf_gradkit.core.lm.least_squares"]
+    monkeypatch.setattr(lsq, "AUTO_XLA_CALLS", 3)
+    monkeypatch.setattr(lsq, "_AUTO_CALLS", solve_cache.SolveCache(maxsize=16))
+    engines = []
+    real = lsq._compiled
+
+    def spy(build, residual_fn, inputs, jit_compile, key):
+        engines.append(jit_compile)
+        return real(build, residual_fn, inputs, jit_compile, key)
+
+    monkeypatch.setattr(lsq, "_compiled", spy)
+    t = tf.constant(np.linspace(0.0, 4.0, 40))
+    y = 2.5 * np.exp(-1.3 * t.numpy()) + 0.2 + 0.01 * np.sin(7.0 * t.numpy())
+    x = tf.Variable([1.0, 1.0, 0.0], dtype=tf.float64)
+
+    def residuals():
+        return x[0] * tf.exp(-x[1] * t) + x[2] - y
+
+    def fit(**options):
+        x.assign([1.0, 1.0, 0.0])
+        result = tf_gradkit.least_squares(residuals, [x], **options)
+        assert bool(result.converged)
+        return x.numpy()
+
+    _clear_solves()
+    auto = [fit(), fit(cache=False), fit(), fit(max_iterations=50), fit(), fit()]
+    assert engines == [False, False, False, False, True, True], engines
+    plain, xla = fit(jit_compile=False), fit(jit_compile=True)
+    _clear_solves()
+    for answer in auto[:3]:
+        np.testing.assert_array_equal(answer, plain)
+    np.testing.assert_array_equal(auto[4], xla)
+    np.testing.assert_array_equal(auto[5], xla)
+    np.testing.assert_allclose(auto[3], plain, rtol=1e-8)
+    np.testing.assert_allclose(xla, plain, rtol=1e-8)
+
+
 def _times_host_one(t):
     """``t`` times a 1 from the host (``tf.numpy_function``): an op XLA has
     no kernel for, on a path that leaves the derivatives to ``t``."""

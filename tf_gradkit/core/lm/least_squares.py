@@ -25,8 +25,8 @@ from tf_gradkit.core.lm.parts import check_parts, resolve_part
 from tf_gradkit.core.lm.robust import RobustLoss
 from tf_gradkit.core.lm.whole_solve import STATIONARY_COSINE, StopReason, covariance
 
-__all__ = ["AUTO_XLA_PARAMS", "LeastSquaresResult", "REASONS", "STATIONARY_COSINE",
-           "StopReason", "covariance", "least_squares"]
+__all__ = ["AUTO_XLA_CALLS", "AUTO_XLA_PARAMS", "LeastSquaresResult", "REASONS",
+           "STATIONARY_COSINE", "StopReason", "covariance", "least_squares"]
 
 # The reasons' texts by code (`StopReason.description`).
 REASONS = tuple(reason.description for reason in StopReason)
@@ -35,6 +35,15 @@ NON_FINITE_START = StopReason.NON_FINITE_START
 # XLA's compile (seconds) dwarfs a small solve's run (milliseconds), see
 # docs/levenberg_marquardt.md.
 AUTO_XLA_PARAMS = 64
+# Below it, "auto" runs a plain tf.function until the same cached solve (the
+# same function and options, `solve_cache`) has been called this many times
+# in the process, this call included, then XLA: by then the plain calls have
+# cost about what XLA's compile of a small solve costs (about 2 s of CPU at
+# 2.3 ms a call), and each later call takes about half as long (ski rental:
+# at most twice the best choice made in hindsight). The engines round
+# differently: ``jit_compile=False`` keeps the plain one.
+AUTO_XLA_CALLS = 1024
+_AUTO_CALLS = solve_cache.SolveCache(maxsize=solve_cache.SOLVES.maxsize)
 
 
 class LeastSquaresResult(NamedTuple):
@@ -192,8 +201,11 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         plain ``tf.function``; "auto" (default): XLA from `AUTO_XLA_PARAMS`
         parameters up, where the compile (seconds) pays for itself, a plain
         ``tf.function`` below (a small fit's first call in about a second,
-        a repeated one in milliseconds); a function XLA cannot compile (e.g.
-        it calls ``tf.numpy_function``) runs plain there, with a warning.
+        a repeated one in milliseconds) until the same cached solve has
+        been called `AUTO_XLA_CALLS` (1,024) times in the process, then XLA
+        (about 2 s of compile once, then about half the time per call; the
+        two round differently); a function XLA cannot compile (e.g. it
+        calls ``tf.numpy_function``) stays plain, with a warning.
       cache: reuse the traced solve of an earlier call with the same
         residual function, variables, shapes, dtypes and options (one call
         traces, later ones only run; `solve_cache`). The function is keyed
@@ -280,14 +292,18 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         out = build(residual_fn, tolerances, box, with_covariance=True)
     else:
         inputs = list(tolerances) + ([] if box is None else [box.lower, box.upper])
-        key = None
+        key = record = None
         if cache:  # everything the trace depends on; the inputs are not in it
             key = ("least_squares", solve_cache.function_key(residual_fn),
                    solve_cache.variables_key(var_list), max_iterations,
                    solve_cache.part_key(controller), solve_cache.part_key(scaling),
                    solve_cache.part_key(solver), max_attempts, robust.name,
                    robust.f_scale, box is None, geodesic_acceleration,
-                   jit_compile, dtype.name, history)
+                   dtype.name, history)
+            if chosen and not jit_compile:   # repeated often enough: XLA
+                record, _ = _AUTO_CALLS.lookup(key, lambda: [0, True])
+                jit_compile = record[1] and record[0] + 1 >= AUTO_XLA_CALLS
+            key += (jit_compile,)
         solve = _compiled(build, residual_fn, inputs, jit_compile, key)
         if chosen and jit_compile:
             built = []
@@ -300,8 +316,12 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                                                      "least_squares")
             if not compiled and key is not None:   # later calls: plain at once
                 solve_cache.SOLVES.store(key, built[-1])
+                if record is not None:
+                    record[1] = False
         else:
             out = solve(*inputs)
+        if record is not None:   # counted once the solve ran
+            record[0] += 1
     (it, code, damping, cost, optimality, cosine, x, fun, jac, grad, mask, cov,
      stopped_by, converged, undetermined) = out[:15]
     if tf.executing_eagerly() and int(code) == StopReason.NON_FINITE_START:
