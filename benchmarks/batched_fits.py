@@ -311,6 +311,8 @@ def main():
                         help="Cpufit's driver (../shared/cpufit/build.sh): only the "
                              "table beside Cpufit (benchmarks/cpufit_side_by_side.py)")
     parser.add_argument("--cpufit-sides", default="5,15")
+    parser.add_argument("--cpufit-rounds", type=int, default=3,
+                        help="interleaved rounds of Cpufit and ours (median, spread)")
     parser.add_argument("--threads", type=int, default=None,
                         help="TensorFlow intra- and inter-op threads (e.g. 1, the "
                              "per-core figure beside single-threaded Cpufit)")
@@ -321,7 +323,8 @@ def main():
     if args.cpufit:
         import cpufit_side_by_side
         cpufit_side_by_side.main(args.cpufit, sides=tuple(
-            int(s) for s in args.cpufit_sides.split(",")), scipy_fits=args.scipy_fits)
+            int(s) for s in args.cpufit_sides.split(",")), scipy_fits=args.scipy_fits,
+            rounds=args.cpufit_rounds)
         return
     if args.plot_from:
         with open(args.plot_from) as f:

@@ -15,7 +15,11 @@ this module fits the same arrays with:
 
 and prints one table: fits per second and per CPU-second (this process's
 CPU, all threads; Cpufit's is single-threaded), ratios to Cpufit, converged
-share. Then the first call (trace, compile + 10^4 fits) in a fresh process:
+share. Cpufit and ours run in ``rounds`` (3) interleaved rounds, each engine
+best of 2 runs per round (as Cpufit's driver times itself), and the table
+gives the median over the rounds and the spread of the per-round ratios: on
+a shared machine a slow spell otherwise lands on whichever engine runs
+then. Then the first call (trace, compile + 10^4 fits) in a fresh process:
 with the defaults, and with XLA without and with the persistent XLA cache
 (`core/xla_cache.py`), each in its own process, the cache in an empty
 directory of its own.
@@ -67,8 +71,9 @@ def gaussian(xy, p):
     return p[:, 0:1] * tf.exp(-(dx * dx + dy * dy) / (2.0 * p[:, 3:4] ** 2)) + p[:, 4:5]
 
 
-def timed(fn, repeats=2):
-    fn()   # compiles this shape
+def timed(fn, repeats=2, warm=True):
+    if warm:
+        fn()   # compiles this shape
     best = None
     for _ in range(repeats):
         c0, t0 = time.process_time(), time.perf_counter()
@@ -79,11 +84,11 @@ def timed(fn, repeats=2):
     return best
 
 
-def run_ours(directory, n, label, **options):
+def run_ours(directory, n, label, warm=True, **options):
     import tf_gradkit
     _, data, p0, xy = load(directory)
     wall, cpu, fit = timed(lambda: tf_gradkit.curve_fit(gaussian, xy, data[:n], p0[:n],
-                                                        **options))
+                                                        **options), warm=warm)
     return dict(engine=f"tf_gradkit {label}", n=n, wall=wall, cpu=cpu,
                 converged=float(np.mean(fit.converged.numpy())),
                 status={int(k): int(v) for k, v in
@@ -157,33 +162,52 @@ def first_calls(directory):
     return out
 
 
-def table(rows, side, load_before, load_after):
-    cpufit = next(r for r in rows if r["engine"].startswith("Cpufit"))
+def table(rounds, rows, side, load_before, load_after):
+    """One line per engine: Cpufit and ours from ``rounds`` (a list per
+    round, Cpufit first), their median fits per second and per CPU-second
+    and the median [min-max] over the rounds of the ratio to that round's
+    Cpufit; then ``rows`` (scipy, run once) against the median Cpufit."""
     print(f"\n### 2-D Gaussian {side}x{side}, float32 data (load average {load_before} "
-          f"-> {load_after})\n")
-    print("| engine | N | fits/s | fits/CPU-s | vs Cpufit (CPU-s) | converged | status |")
+          f"-> {load_after}; {len(rounds)} rounds, each Cpufit then ours, best of 2 "
+          "runs each)\n")
+    print("| engine | N | fits/s | fits/CPU-s | vs Cpufit (CPU-s), median [min-max] "
+          "| converged | status |")
     print("|---|---|---|---|---|---|---|")
-    base = cpufit["n"] / cpufit["cpu"]
+    base = np.median([r[0]["n"] / r[0]["cpu"] for r in rounds])
+    for i in range(len(rounds[0])):
+        runs = [r[i] for r in rounds]
+        wall = np.median([r["n"] / r["wall"] for r in runs])
+        cpu = np.median([r["n"] / r["cpu"] for r in runs])
+        ratios = [(r[i]["n"] / r[i]["cpu"]) / (r[0]["n"] / r[0]["cpu"]) for r in rounds]
+        print(f"| {runs[0]['engine']} | {runs[0]['n']:,} | {wall:,.0f} | {cpu:,.0f} | "
+              f"{np.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}] | "
+              f"{min(r['converged'] for r in runs):.4f} | {runs[-1].get('status', '')} |")
     for r in rows:
         per_cpu = r["n"] / r["cpu"]
         print(f"| {r['engine']} | {r['n']:,} | {r['n'] / r['wall']:,.0f} | {per_cpu:,.0f} | "
               f"{per_cpu / base:.2f}x | {r['converged']:.4f} | {r.get('status', '')} |")
 
 
-def main(driver, sides=(5, 15), n=100_000, scipy_fits=500):
+def main(driver, sides=(5, 15), n=100_000, scipy_fits=500, rounds=3):
     import tensorflow as tf  # noqa: F401  (after tf_gradkit's cache setup in main)
     for side in sides:
-        with tempfile.TemporaryDirectory() as directory:
+        with tempfile.TemporaryDirectory() as directory, \
+                tempfile.TemporaryDirectory() as scratch:
             load_before = os.getloadavg()[0]
-            rows = [run_cpufit(driver, side, n, directory)]
-            meta, *_ = load(directory)
-            matched = dict(ftol=float(meta["tolerance"]),
-                           max_iterations=int(meta["max_n_iterations"]))
-            rows.append(run_ours(directory, n, "matched (ftol 1e-4, 10 it)", **matched))
-            rows.append(run_ours(directory, n, "defaults"))
-            for method in ("lm", "trf"):
-                rows.append(run_scipy(directory, scipy_fits, method, matched["ftol"]))
-            table(rows, side, f"{load_before:.1f}", f"{os.getloadavg()[0]:.1f}")
+            runs = []
+            for i in range(rounds):   # interleaved: a slow spell hits all engines
+                # the driver seeds its data (mt19937(0)): every run's are the first's
+                row = [run_cpufit(driver, side, n, scratch if i else directory)]
+                meta, *_ = load(directory)
+                matched = dict(ftol=float(meta["tolerance"]),
+                               max_iterations=int(meta["max_n_iterations"]))
+                row.append(run_ours(directory, n, "matched (ftol 1e-4, 10 it)",
+                                    warm=not i, **matched))
+                row.append(run_ours(directory, n, "defaults", warm=not i))
+                runs.append(row)
+            rows = [run_scipy(directory, scipy_fits, method, matched["ftol"])
+                    for method in ("lm", "trf")]
+            table(runs, rows, side, f"{load_before:.1f}", f"{os.getloadavg()[0]:.1f}")
             if side == sides[0]:
                 (w0, c0), (w1, c1), (w2, c2), (w3, c3) = first_calls(directory)
                 print(f"\nfirst call, 10^4 {side}x{side} fits, fresh process (import "
