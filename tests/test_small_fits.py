@@ -14,8 +14,8 @@ import tensorflow as tf
 
 import tf_gradkit
 from tf_gradkit.core import xla_cache
-from tf_gradkit.core.lm import (batched, batched_parts, damping, fitting, linear_solvers,
-                                solve_cache, small, step, whole_solve)
+from tf_gradkit.core.lm import (batched, batched_parts, damping, fit_report, fitting,
+                                linear_solvers, solve_cache, small, step, whole_solve)
 
 pytestmark = pytest.mark.keras_free
 
@@ -570,6 +570,26 @@ def test_auto_engine_stays_plain_where_xla_cannot_compile(monkeypatch):
     np.testing.assert_array_equal(answers[1], answers[2])
     np.testing.assert_allclose(answers[0], [2.5, 1.3, 0.2], rtol=1e-9)
     _clear_solves()
+
+
+def test_parameter_reached_only_through_a_non_differentiable_op_is_flagged():
+    """A parameter the model reaches only through an op TensorFlow does not
+    differentiate has a zero Jacobian column: the fit leaves it at its
+    start, `undetermined` is True, `covariance` inf, and the warning names
+    that cause (scipy's finite differences would move it)."""
+    xy, y, p0 = spots(3, dtype=np.float64, seed=2)
+
+    def model(xy, p):
+        held = tf.concat([p[:, :4], tf.stop_gradient(p[:, 4:5])], axis=1)
+        return gaussian(xy, held)
+
+    with pytest.warns(fit_report.CovarianceWarning,
+                      match=r"reaches it only through an op TensorFlow does not "
+                            r"differentiate \(tf.numpy_function, tf.stop_gradient"):
+        fit = tf_gradkit.curve_fit(model, xy, y, p0, jit_compile=False)
+    np.testing.assert_array_equal(fit.x.numpy()[:, 4], p0[:, 4])
+    assert np.all(fit.undetermined.numpy())
+    assert np.all(np.isinf(fit.covariance.numpy()))
 
 
 @pytest.mark.parametrize("jit_compile", ["yes", None, 1])

@@ -102,7 +102,10 @@ def warn_undetermined(flags, name):
         warnings.warn(
             f"{name}: the covariance of the parameters could not be estimated "
             f"for {int(flags.sum())} of {flags.size} fit(s) (the Jacobian is "
-            "rank-deficient at the solution, e.g. the model ignores a parameter, "
-            "or there are no more points than parameters): `covariance` is inf "
-            "there and `undetermined` is True (scipy's OptimizeWarning).",
+            "rank-deficient at the solution, e.g. the model ignores a parameter "
+            "or reaches it only through an op TensorFlow does not differentiate "
+            "(tf.numpy_function, tf.stop_gradient, tf.round: its Jacobian column "
+            "is 0 and the fit leaves it at its start), or there are no more "
+            "points than parameters): `covariance` is inf there and "
+            "`undetermined` is True (scipy's OptimizeWarning).",
             CovarianceWarning, stacklevel=3)
