@@ -606,7 +606,7 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
                                  function)
 
             (out, counts, proven), compiled = solve_cache.xla_or_plain(
-                solve, plain, args, name)
+                solve, plain, args, name, stacklevel=4)   # the user's curve_fit
             if not compiled:
                 given[1], solve = False, plain()
         else:

@@ -294,17 +294,18 @@ def input_spec(tensor):
     return tf.TensorSpec(tensor.shape, tensor.dtype)
 
 
-def xla_or_plain(xla, plain, args, name):
+def xla_or_plain(xla, plain, args, name, stacklevel=3):
     """``(xla(*args), True)``; where that raises one of `XLA_REFUSALS`,
-    ``(plain()(*args), False)`` with a warning naming ``name``.
+    ``(plain()(*args), False)`` with a warning naming ``name``
+    (``stacklevel``: the user's call, as for `warnings.warn`).
 
     For ``jit_compile="auto"``: the rule chose XLA for speed, not the user,
     so a function XLA cannot compile runs as the plain ``tf.function`` it
     ran as before (``plain`` builds it, only when needed), with the result
-    ``jit_compile=False`` gives. An error of the user's own raises from the
-    plain call. Nothing runs twice where XLA compiled: a refusal comes
-    before the program runs (and an XLA program writes its variables only
-    at its end)."""
+    ``jit_compile=False`` gives. A refusal to compile comes before anything
+    runs; an error the compiled program itself raised is raised again by
+    the plain call (an XLA program writes its variables only at its end,
+    so none has changed)."""
     try:
         return xla(*args), True
     except XLA_REFUSALS as error:
@@ -316,5 +317,5 @@ def xla_or_plain(xla, plain, args, name):
         f"compile ({refusal}). It ran as a plain tf.function instead (the result "
         "jit_compile=False gives) and stays plain for this function and these "
         "options in this process. Pass jit_compile=False to skip the attempt.",
-        stacklevel=3)
+        stacklevel=stacklevel)
     return out, False
