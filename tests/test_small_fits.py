@@ -497,8 +497,12 @@ def test_least_squares_auto_engine_switches_after_repeated_calls(monkeypatch):
         return x.numpy()
 
     _clear_solves()
-    auto = [fit(), fit(cache=False), fit(), fit(max_iterations=50), fit(), fit()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        auto = [fit(), fit(cache=False), fit(), fit(max_iterations=50), fit(), fit()]
+    assert not [w for w in caught if "chose XLA" in str(w.message)]   # no fallback
     assert engines == [False, False, False, False, True, True], engines
+    _clear_solves()   # each engine asked for by name traces on its own
     plain, xla = fit(jit_compile=False), fit(jit_compile=True)
     _clear_solves()
     for answer in auto[:3]:
@@ -507,6 +511,11 @@ def test_least_squares_auto_engine_switches_after_repeated_calls(monkeypatch):
     np.testing.assert_array_equal(auto[5], xla)
     np.testing.assert_allclose(auto[3], plain, rtol=1e-8)
     np.testing.assert_allclose(xla, plain, rtol=1e-8)
+    engines.clear()   # without the solve cache every call traces: never worth XLA
+    monkeypatch.setattr(solve_cache.SOLVES, "maxsize", 0)
+    for _ in range(4):
+        fit(max_iterations=60)
+    assert engines == [False] * 4, engines
 
 
 def _times_host_one(t):
@@ -547,6 +556,7 @@ def test_auto_engine_stays_plain_where_xla_cannot_compile(monkeypatch):
 
     lsq = sys.modules["tf_gradkit.core.lm.least_squares"]
     monkeypatch.setattr(lsq, "AUTO_XLA_PARAMS", 3)
+    monkeypatch.setattr(lsq, "_AUTO_CALLS", solve_cache.SolveCache(maxsize=16))
     t = tf.constant(np.linspace(0.0, 4.0, 40))
     y = 2.5 * np.exp(-1.3 * t.numpy()) + 0.2
     x = tf.Variable([1.0, 1.0, 0.0], dtype=tf.float64)
@@ -569,6 +579,10 @@ def test_auto_engine_stays_plain_where_xla_cannot_compile(monkeypatch):
     np.testing.assert_array_equal(answers[0], answers[2])
     np.testing.assert_array_equal(answers[1], answers[2])
     np.testing.assert_allclose(answers[0], [2.5, 1.3, 0.2], rtol=1e-9)
+    x.assign([1.0, 1.0, 0.0])   # asked for by name after the fallback: XLA's error
+    with pytest.raises(tf.errors.InvalidArgumentError, match="PyFunc"):
+        tf_gradkit.least_squares(residuals, [x], jit_compile=True)
+    np.testing.assert_array_equal(x.numpy(), [1.0, 1.0, 0.0])   # nothing ran
     _clear_solves()
 
 

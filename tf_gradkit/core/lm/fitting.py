@@ -601,14 +601,17 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
         if may_fall_back:
             may_fall_back = False
 
+            built = []
+
             def plain():
-                return _compiled(kind, fn, options, key, False, full_output, free,
-                                 function)
+                built.append(_compiled(kind, fn, options, key, False, full_output,
+                                       free, function))
+                return built[-1]
 
             (out, counts, proven), compiled = solve_cache.xla_or_plain(
                 solve, plain, args, name, stacklevel=4)   # the user's curve_fit
             if not compiled:
-                given[1], solve = False, plain()
+                given[1], solve = False, built[-1]
         else:
             out, counts, proven = solve(*args)
         if proven is not None and bool(tf.reduce_all(proven[1])):
@@ -662,7 +665,9 @@ def _engine(jit_compile, key, batch):
     if isinstance(jit_compile, bool):
         return jit_compile, None
     given, _ = _AUTO_FITS.lookup(key, lambda: [0, True])
-    return given[1] and given[0] + batch >= AUTO_XLA_FITS, given
+    # Without the solve cache every call compiles anew: this call's fits only.
+    earlier = given[0] if solve_cache.SOLVES.maxsize else 0
+    return given[1] and earlier + batch >= AUTO_XLA_FITS, given
 
 
 def _expand_fixed(sol, cov, free, p, full0):

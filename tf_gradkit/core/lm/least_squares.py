@@ -288,11 +288,12 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
 
     tolerances = whole_solve.Tolerances(*(tf.constant(t, dtype)
                                           for t in (gtol, xtol, ftol)))
+    record = None   # "auto"'s count of this solve's calls (`AUTO_XLA_CALLS`)
     if not tf.executing_eagerly():
         out = build(residual_fn, tolerances, box, with_covariance=True)
     else:
         inputs = list(tolerances) + ([] if box is None else [box.lower, box.upper])
-        key = record = None
+        key = None
         if cache:  # everything the trace depends on; the inputs are not in it
             key = ("least_squares", solve_cache.function_key(residual_fn),
                    solve_cache.variables_key(var_list), max_iterations,
@@ -300,28 +301,24 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                    solve_cache.part_key(solver), max_attempts, robust.name,
                    robust.f_scale, box is None, geodesic_acceleration,
                    dtype.name, history)
-            if chosen and not jit_compile:   # repeated often enough: XLA
+            if chosen:   # XLA for many parameters, or once repeated often enough
                 record, _ = _AUTO_CALLS.lookup(key, lambda: [0, True])
-                jit_compile = record[1] and record[0] + 1 >= AUTO_XLA_CALLS
+                jit_compile = record[1] and (jit_compile or (
+                    solve_cache.SOLVES.maxsize > 0
+                    and record[0] + 1 >= AUTO_XLA_CALLS))
             key += (jit_compile,)
         solve = _compiled(build, residual_fn, inputs, jit_compile, key)
         if chosen and jit_compile:
-            built = []
-
-            def plain():
-                built.append(_compile(build, residual_fn, inputs, False))
-                return built[-1]
+            def plain():   # the plain solve's own entry (never under XLA's key)
+                return _compiled(build, residual_fn, inputs, False,
+                                 None if key is None else key[:-1] + (False,))
 
             out, compiled = solve_cache.xla_or_plain(solve, plain, inputs,
                                                      "least_squares")
-            if not compiled and key is not None:   # later calls: plain at once
-                solve_cache.SOLVES.store(key, built[-1])
-                if record is not None:
-                    record[1] = False
+            if not compiled and record is not None:   # later calls: plain at once
+                record[1] = False
         else:
             out = solve(*inputs)
-        if record is not None:   # counted once the solve ran
-            record[0] += 1
     (it, code, damping, cost, optimality, cosine, x, fun, jac, grad, mask, cov,
      stopped_by, converged, undetermined) = out[:15]
     if tf.executing_eagerly() and int(code) == StopReason.NON_FINITE_START:
@@ -330,6 +327,8 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
             "start (as scipy: 'Residuals are not finite in the initial point'). "
             f"Received: cost {float(cost)} at the values in `var_list`; start "
             "where every residual is finite.")
+    if tf.executing_eagerly() and record is not None:   # counted once it ran
+        record[0] += 1
     if history:
         _print_history(out[15].numpy()[:int(it)])
     if verbose:

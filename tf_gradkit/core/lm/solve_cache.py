@@ -48,9 +48,13 @@ import numpy as np
 import tensorflow as tf
 
 DEFAULT_MAXSIZE = 16
-# What XLA raises when it cannot compile a function: an op without an XLA
-# kernel (``tf.numpy_function``, string ops), a shape it needs static.
+# What XLA raises when it cannot compile a function (an op without an XLA
+# kernel, e.g. ``tf.numpy_function``; a value it needs at compile time), told
+# from an error of the program's own run by its text.
 XLA_REFUSALS = (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError)
+XLA_REFUSAL_TEXT = re.compile(
+    r"Detected unsupported operations|tf2xla conversion failed|compile-time "
+    r"constant|OpKernel for XLA_|XLA compilation requires|XLA can't")
 # How deep `function_key` follows the Python functions a function calls.
 MAX_DEPTH = 3
 # Lists, tuples and dicts up to this many items are compared item by item
@@ -142,14 +146,6 @@ class SolveCache:
                 self._entries.move_to_end(key)
                 self._evict()
         return entry, False
-
-    def store(self, key, entry):
-        """Puts ``entry`` under ``key`` (replacing what was there)."""
-        with self._lock:
-            if self._maxsize:
-                self._entries[key] = entry
-                self._entries.move_to_end(key)
-                self._evict()
 
     def _evict(self):
         while len(self._entries) > self._maxsize:
@@ -302,20 +298,22 @@ def xla_or_plain(xla, plain, args, name, stacklevel=3):
     For ``jit_compile="auto"``: the rule chose XLA for speed, not the user,
     so a function XLA cannot compile runs as the plain ``tf.function`` it
     ran as before (``plain`` builds it, only when needed), with the result
-    ``jit_compile=False`` gives. A refusal to compile comes before anything
-    runs; an error the compiled program itself raised is raised again by
-    the plain call (an XLA program writes its variables only at its end,
-    so none has changed)."""
+    ``jit_compile=False`` gives. Only a refusal to compile (`XLA_REFUSAL_TEXT`),
+    which comes before anything runs, falls back; an error the compiled
+    program raised while running is raised as it is."""
     try:
         return xla(*args), True
     except XLA_REFUSALS as error:
+        if not XLA_REFUSAL_TEXT.search(str(error)):
+            raise   # the program ran and failed: the user's error, as it is
         refusal = (str(error).strip().splitlines() or [type(error).__name__])[0]
         refusal = re.sub(r" when trying to compile graph \S+ on", " on", refusal)[:200]
     out = plain()(*args)
     warnings.warn(
         f"{name}: jit_compile='auto' chose XLA for this function, which XLA cannot "
         f"compile ({refusal}). It ran as a plain tf.function instead (the result "
-        "jit_compile=False gives) and stays plain for this function and these "
-        "options in this process. Pass jit_compile=False to skip the attempt.",
+        "jit_compile=False gives); later calls of this function with these "
+        "options run plain without trying again (while its cached solve is "
+        "kept). Pass jit_compile=False to skip the attempt.",
         stacklevel=stacklevel)
     return out, False
