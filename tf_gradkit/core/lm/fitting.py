@@ -600,18 +600,11 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
                 take(full0) if free is not None else None, bool(absolute))
         if may_fall_back:
             may_fall_back = False
-
-            built = []
-
-            def plain():
-                built.append(_compiled(kind, fn, options, key, False, full_output,
-                                       free, function))
-                return built[-1]
-
-            (out, counts, proven), compiled = solve_cache.xla_or_plain(
-                solve, plain, args, name, stacklevel=4)   # the user's curve_fit
-            if not compiled:
-                given[1], solve = False, built[-1]
+            (out, counts, proven), plain = solve_cache.xla_or_plain(
+                solve, lambda: _compiled(kind, fn, options, key, False, full_output,
+                                         free, function),
+                args, name, given, stacklevel=4)   # the user's curve_fit
+            solve = plain or solve
         else:
             out, counts, proven = solve(*args)
         if proven is not None and bool(tf.reduce_all(proven[1])):

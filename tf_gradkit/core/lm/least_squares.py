@@ -313,10 +313,8 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                 return _compiled(build, residual_fn, inputs, False,
                                  None if key is None else key[:-1] + (False,))
 
-            out, compiled = solve_cache.xla_or_plain(solve, plain, inputs,
-                                                     "least_squares")
-            if not compiled and record is not None:   # later calls: plain at once
-                record[1] = False
+            out, _ = solve_cache.xla_or_plain(solve, plain, inputs, "least_squares",
+                                              record)
         else:
             out = solve(*inputs)
     (it, code, damping, cost, optimality, cosine, x, fun, jac, grad, mask, cov,
@@ -327,7 +325,7 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
             "start (as scipy: 'Residuals are not finite in the initial point'). "
             f"Received: cost {float(cost)} at the values in `var_list`; start "
             "where every residual is finite.")
-    if tf.executing_eagerly() and record is not None:   # counted once it ran
+    if record is not None:   # counted once it ran (eagerly: a record exists)
         record[0] += 1
     if history:
         _print_history(out[15].numpy()[:int(it)])

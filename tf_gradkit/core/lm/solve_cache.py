@@ -290,10 +290,12 @@ def input_spec(tensor):
     return tf.TensorSpec(tensor.shape, tensor.dtype)
 
 
-def xla_or_plain(xla, plain, args, name, stacklevel=3):
-    """``(xla(*args), True)``; where that raises one of `XLA_REFUSALS`,
-    ``(plain()(*args), False)`` with a warning naming ``name``
-    (``stacklevel``: the user's call, as for `warnings.warn`).
+def xla_or_plain(xla, plain, args, name, record=None, stacklevel=3):
+    """``(xla(*args), None)``; where that raises one of `XLA_REFUSALS`,
+    ``(solve(*args), solve)`` with ``solve = plain()``, a warning naming
+    ``name`` (``stacklevel``: the user's call, as for `warnings.warn`) and
+    ``record[1]`` set False (the "auto" record ``[count, XLA can compile]``
+    of the caller, so that later calls go plain at once).
 
     For ``jit_compile="auto"``: the rule chose XLA for speed, not the user,
     so a function XLA cannot compile runs as the plain ``tf.function`` it
@@ -302,13 +304,16 @@ def xla_or_plain(xla, plain, args, name, stacklevel=3):
     which comes before anything runs, falls back; an error the compiled
     program raised while running is raised as it is."""
     try:
-        return xla(*args), True
+        return xla(*args), None
     except XLA_REFUSALS as error:
         if not XLA_REFUSAL_TEXT.search(str(error)):
             raise   # the program ran and failed: the user's error, as it is
         refusal = (str(error).strip().splitlines() or [type(error).__name__])[0]
         refusal = re.sub(r" when trying to compile graph \S+ on", " on", refusal)[:200]
-    out = plain()(*args)
+    solve = plain()
+    out = solve(*args)
+    if record is not None:
+        record[1] = False
     warnings.warn(
         f"{name}: jit_compile='auto' chose XLA for this function, which XLA cannot "
         f"compile ({refusal}). It ran as a plain tf.function instead (the result "
@@ -316,4 +321,4 @@ def xla_or_plain(xla, plain, args, name, stacklevel=3):
         "options run plain without trying again (while its cached solve is "
         "kept). Pass jit_compile=False to skip the attempt.",
         stacklevel=stacklevel)
-    return out, False
+    return out, solve
