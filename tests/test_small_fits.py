@@ -670,6 +670,42 @@ def test_small_calls_share_a_power_of_two_chunk(monkeypatch):
     assert built == [3] and np.all(fit.converged.numpy()), (built, fit.status)
 
 
+def test_a_call_just_over_a_chunk_runs_in_equal_chunks(monkeypatch):
+    """With the chunk size left to the package, a call of a few more fits
+    than a chunk runs as equal chunks on the padding grid (`_chunk_size`),
+    not as a full chunk and a mostly padded one: 70 fits with room for 64 a
+    chunk run as two of 36 (72 fits' work, not 128), each fit ending as with
+    ``batch_size=36``; 120 fits (full chunks waste under 1/8) keep the
+    chunk of 64; a given `batch_size` is taken as given."""
+    assert [fitting._chunk_size(b, 64, True, True) for b in (70, 100, 120, 128, 640)] \
+        == [36, 52, 64, 64, 64]
+    assert fitting._chunk_size(70, 64, False, True) == 64
+    assert fitting._chunk_size(70, 64, True, False) == 36
+    assert fitting._chunk_size(50, 64, True, False) == 50   # one chunk: unpadded
+    xy, y, p0 = spots(120, dtype=np.float64, seed=8)
+    monkeypatch.setattr(fitting, "CHUNK_BYTES_CPU", 64 * 25 * 5 * 8)   # 64 fits
+    built = _spy_problems(monkeypatch)
+    _clear_solves()
+    fit = tf_gradkit.curve_fit(gaussian, xy, y[:70], p0[:70], jit_compile=False)
+    assert built == [36], built   # one trace for both chunks
+    built.clear()
+    tf_gradkit.curve_fit(gaussian, xy, y, p0, jit_compile=False)
+    assert built == [64], built
+    built.clear()
+    _clear_solves()
+    tf_gradkit.curve_fit(gaussian, xy, y[:70], p0[:70], batch_size=64, jit_compile=False)
+    assert built == [64], built
+    _clear_solves()
+    assert np.all(fit.converged.numpy()), fit.status
+    # each fit as in the same chunks asked for by name (the padding rows do
+    # not touch the others)
+    given = tf_gradkit.curve_fit(gaussian, xy, y[:70], p0[:70], batch_size=36,
+                                 jit_compile=False)
+    np.testing.assert_array_equal(fit.x.numpy(), given.x.numpy())
+    np.testing.assert_array_equal(fit.covariance.numpy(), given.covariance.numpy())
+    _clear_solves()
+
+
 @pytest.mark.parametrize("m, p", [(25, 5), (7, 7), (3, 5), (40, 1)])
 def test_unrolled_qr_matches_library(m, p):
     """The unrolled Householder QR (the covariance's factor under XLA) against
