@@ -313,6 +313,9 @@ def main():
     parser.add_argument("--cpufit-sides", default="5,15")
     parser.add_argument("--cpufit-rounds", type=int, default=3,
                         help="interleaved rounds of Cpufit and ours (median, spread)")
+    parser.add_argument("--no-one-thread", action="store_true",
+                        help="skip the rows of ours on one thread (a child process each "
+                             "round)")
     parser.add_argument("--threads", type=int, default=None,
                         help="TensorFlow intra- and inter-op threads (e.g. 1, the "
                              "per-core figure beside single-threaded Cpufit)")
@@ -324,7 +327,7 @@ def main():
         import cpufit_side_by_side
         cpufit_side_by_side.main(args.cpufit, sides=tuple(
             int(s) for s in args.cpufit_sides.split(",")), scipy_fits=args.scipy_fits,
-            rounds=args.cpufit_rounds)
+            rounds=args.cpufit_rounds, one_thread=not args.no_one_thread)
         return
     if args.plot_from:
         with open(args.plot_from) as f:

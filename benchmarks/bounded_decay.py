@@ -8,9 +8,12 @@ nothing else given (solver, chunk and tolerances the defaults). scipy: the
 same call a user makes, ``scipy.optimize.curve_fit(f, t, y[b], p0[b],
 bounds=...)`` (trf, 2-point Jacobian) in a Python loop, and
 ``least_squares(method="trf")`` with the analytic Jacobian, on the first
-``--scipy-fits`` fits. Prints fits per second and per CPU-second (this
-process, all threads) and the ratios, and the median relative difference
-of the parameters where both converged.
+``--scipy-fits`` fits. Ours again in a child process whose TensorFlow runs
+on one thread (`timing.on_one_thread`; ``--no-one-thread`` skips it): per
+CPU-second the like-for-like comparison with a single-threaded scipy loop.
+Prints fits per second and per CPU-second (each process's own, all its
+threads) and the ratios to both scipy loops, and the median relative
+difference of the parameters where both converged.
 
     python benchmarks/bounded_decay.py [--fits 100000] [--scipy-fits 300]
 """
@@ -22,6 +25,8 @@ import time
 
 import numpy as np
 import scipy.optimize as so
+
+import timing  # benchmarks/timing.py
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -65,7 +70,10 @@ def clocked(fn):
     return out, time.perf_counter() - t0, time.process_time() - c0
 
 
-def run(fits=100_000, scipy_fits=300):
+def time_ours(fits):
+    """``(fit, wall, cpu, first wall, first cpu)`` of ours on the first
+    ``fits`` problems: the first call (trace, compile, run), then the best
+    of two."""
     import tensorflow as tf
     import tf_gradkit
     t, y, p0 = problems(fits)
@@ -82,9 +90,24 @@ def run(fits=100_000, scipy_fits=300):
         fit, wall, cpu = clocked(ours)
         if best is None or cpu < best[2]:
             best = (fit, wall, cpu)
-    fit, wall, cpu = best
+    return best + (first_wall, first_cpu)
+
+
+def ours_row(fits):
+    """`time_ours`'s row, JSON-able (`timing.on_one_thread` calls it)."""
+    fit, wall, cpu, _, _ = time_ours(fits)
+    return dict(wall=wall, cpu=cpu, converged=float(np.mean(fit.converged.numpy())))
+
+
+def run(fits=100_000, scipy_fits=300, one_thread=True):
+    t, y, p0 = problems(fits)
+    fit, wall, cpu, first_wall, first_cpu = time_ours(fits)
     rows = [("tf_gradkit curve_fit defaults (float64, bounds)", fits, wall, cpu,
              float(np.mean(fit.converged.numpy())))]
+    if one_thread:
+        one = timing.on_one_thread("bounded_decay", "ours_row", fits=fits)
+        rows.append(("tf_gradkit curve_fit defaults, 1 thread (own process)", fits,
+                     one["wall"], one["cpu"], one["converged"]))
     n = scipy_fits
 
     def scipy_curve_fit():
@@ -111,14 +134,16 @@ def run(fits=100_000, scipy_fits=300):
     xj, w, c = clocked(scipy_trf_jac)
     rows.append(("scipy least_squares trf loop (analytic jac)", n, w, c,
                  float(np.mean(np.isfinite(xj).all(1)))))
-    ours_per_cpu = fits / cpu
+    scipy_rates = [count / c for name, count, w, c, conv in rows[-2:]]
     print(f"\n### Bi-exponential decay, 100 points, 5 parameters, float64, bounds "
           f"(load average {os.getloadavg()[0]:.1f})\n")
-    print("| engine | N | fits/s | fits/CPU-s | ours vs this (CPU-s) | converged |")
-    print("|---|---|---|---|---|---|")
+    print("| engine | N | fits/s | fits/CPU-s | vs scipy curve_fit (CPU-s) | "
+          "vs scipy trf, analytic jac (CPU-s) | converged |")
+    print("|---|---|---|---|---|---|---|")
     for name, count, w, c, conv in rows:
         print(f"| {name} | {count:,} | {count / w:,.0f} | {count / c:,.0f} | "
-              f"{ours_per_cpu / (count / c):.1f}x | {conv:.4f} |")
+              f"{count / c / scipy_rates[0]:.1f}x | {count / c / scipy_rates[1]:.1f}x | "
+              f"{conv:.4f} |")
     both = np.isfinite(xs).all(1) & fit.converged.numpy()[:n]
     diff = np.median(np.abs(fit.x.numpy()[:n][both] - xs[both]) / np.abs(xs[both]), axis=0)
     print(f"\nfirst call (compile + run) {first_wall:.2f} s wall / {first_cpu:.2f} s CPU; "
@@ -130,5 +155,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--fits", type=int, default=100_000)
     parser.add_argument("--scipy-fits", type=int, default=300)
+    parser.add_argument("--no-one-thread", action="store_true",
+                        help="skip the row of ours on one thread (a child process)")
     args = parser.parse_args()
-    run(args.fits, args.scipy_fits)
+    run(args.fits, args.scipy_fits, one_thread=not args.no_one_thread)

@@ -10,6 +10,10 @@ this module fits the same arrays with:
   ``max_iterations=10``; Cpufit stops when chi-square changes by less than
   ``max(1e-4, 1e-4 chi2)`` in at most 10 iterations), float32, defaults else;
 - ours, defaults: ``curve_fit(f, xy, y, p0)`` with nothing else given;
+- both again in a child process whose TensorFlow has one thread (``one_thread``,
+  `timing.on_one_thread`): per CPU-second the like-for-like comparison with
+  single-threaded Cpufit (two threads finish sooner but spend more CPU on
+  each fit);
 - scipy ``least_squares`` ``lm`` and ``trf`` in a Python loop on the first
   ``--scipy-fits`` fits (analytic Jacobian, float64, matched ``ftol``);
 
@@ -34,6 +38,8 @@ import tempfile
 import time
 
 import numpy as np
+
+import timing  # benchmarks/timing.py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -123,6 +129,13 @@ def run_scipy(directory, n, method, ftol):
                 converged=float(np.mean(ok)))
 
 
+def ours_rows(directory, n, configs):
+    """`run_ours` for each ``[label, options]`` of ``configs``, labelled as
+    run on one thread (`timing.on_one_thread` calls it in its child)."""
+    return [run_ours(directory, n, f"{label}, 1 thread (own process)", **options)
+            for label, options in configs]
+
+
 FIRST_CALL = """
 import os, sys, time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -188,7 +201,8 @@ def table(rounds, rows, side, load_before, load_after):
               f"{per_cpu / base:.2f}x | {r['converged']:.4f} | {r.get('status', '')} |")
 
 
-def main(driver, sides=(5, 15), n=100_000, scipy_fits=500, rounds=3):
+def main(driver, sides=(5, 15), n=100_000, scipy_fits=500, rounds=3,
+         one_thread=True):
     import tensorflow as tf  # noqa: F401  (after tf_gradkit's cache setup in main)
     for side in sides:
         with tempfile.TemporaryDirectory() as directory, \
@@ -204,6 +218,11 @@ def main(driver, sides=(5, 15), n=100_000, scipy_fits=500, rounds=3):
                 row.append(run_ours(directory, n, "matched (ftol 1e-4, 10 it)",
                                     warm=not i, **matched))
                 row.append(run_ours(directory, n, "defaults", warm=not i))
+                if one_thread:
+                    row += timing.on_one_thread(
+                        "cpufit_side_by_side", "ours_rows", directory=directory, n=n,
+                        configs=[["matched (ftol 1e-4, 10 it)", matched],
+                                 ["defaults", {}]])
                 runs.append(row)
             rows = [run_scipy(directory, scipy_fits, method, matched["ftol"])
                     for method in ("lm", "trf")]
@@ -217,4 +236,4 @@ def main(driver, sides=(5, 15), n=100_000, scipy_fits=500, rounds=3):
                       f"cache {w2:.2f} s wall / {c2:.2f} s CPU, a second process "
                       f"reading it {w3:.2f} s wall / {c3:.2f} s CPU")
     import bounded_decay
-    bounded_decay.run(fits=n, scipy_fits=scipy_fits)
+    bounded_decay.run(fits=n, scipy_fits=scipy_fits, one_thread=one_thread)

@@ -5,8 +5,11 @@ Plain Python: importing it imports neither TensorFlow nor Keras, so a script
 still sets its environment before its first TensorFlow import.
 """
 
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -74,3 +77,34 @@ def write_result(name, text):
     with open(path, "w", encoding="utf-8") as f:
         f.write(text + "\n")
     return path
+
+
+ONE_THREAD = """
+import importlib, json, os, sys
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path[:0] = [{here!r}, {root!r}]
+import tensorflow as tf
+tf.config.threading.set_intra_op_parallelism_threads(1)   # before any op
+tf.config.threading.set_inter_op_parallelism_threads(1)
+out = getattr(importlib.import_module({module!r}), {function!r})(**json.loads({kwargs!r}))
+print(json.dumps(out))
+"""
+
+
+def on_one_thread(module, function, timeout=900, **kwargs):
+    """``module.function(**kwargs)`` (a benchmarks/ module; JSON in and out)
+    in a child process whose TensorFlow runs on one thread: intra- and
+    inter-op pools of 1, set before its first op (TensorFlow reads them once
+    per process). The setting of a user who runs one process per core, and
+    the like-for-like one beside a single-threaded peer per CPU-second: two
+    threads finish sooner but spend more CPU on the same work. The child's
+    times are its own (``process_time`` there); the persistent XLA cache is
+    not asked for."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = ONE_THREAD.format(here=here, root=os.path.dirname(here), module=module,
+                             function=function, kwargs=json.dumps(kwargs))
+    env = dict(os.environ)
+    env.pop("TF_GRADKIT_XLA_CACHE", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                         capture_output=True, text=True, timeout=timeout).stdout
+    return json.loads(out.strip().splitlines()[-1])
