@@ -219,10 +219,13 @@ def main(driver, sides=(5, 15), n=100_000, scipy_fits=500, rounds=3,
                                     warm=not i, **matched))
                 row.append(run_ours(directory, n, "defaults", warm=not i))
                 if one_thread:
-                    row += timing.on_one_thread(
-                        "cpufit_side_by_side", "ours_rows", directory=directory, n=n,
-                        configs=[["matched (ftol 1e-4, 10 it)", matched],
-                                 ["defaults", {}]])
+                    for one in timing.on_one_thread(
+                            "cpufit_side_by_side", "ours_rows", directory=directory,
+                            n=n, configs=[["matched (ftol 1e-4, 10 it)", matched],
+                                          ["defaults", {}]]):
+                        # (JSON's keys are strings)
+                        one["status"] = {int(k): v for k, v in one["status"].items()}
+                        row.append(one)
                 runs.append(row)
             rows = [run_scipy(directory, scipy_fits, method, matched["ftol"])
                     for method in ("lm", "trf")]
