@@ -105,6 +105,9 @@ def on_one_thread(module, function, timeout=900, **kwargs):
                              function=function, kwargs=json.dumps(kwargs))
     env = dict(os.environ)
     env.pop("TF_GRADKIT_XLA_CACHE", None)
-    out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
-                         capture_output=True, text=True, timeout=timeout).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    if done.returncode:
+        raise RuntimeError(f"on_one_thread: {module}.{function} exited with "
+                           f"{done.returncode}:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])

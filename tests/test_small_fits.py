@@ -675,7 +675,7 @@ def test_a_call_just_over_a_chunk_runs_in_equal_chunks(monkeypatch):
     than a chunk runs as equal chunks on the padding grid (`_chunk_size`),
     not as a full chunk and a mostly padded one: 70 fits with room for 64 a
     chunk run as two of 36 (72 fits' work, not 128), each fit ending as with
-    ``batch_size=36``; 120 fits (full chunks waste under 1/8) keep the
+    ``batch_size=36``; 120 fits (equal chunks would save under 1/8) keep the
     chunk of 64; a given `batch_size` is taken as given."""
     assert [fitting._chunk_size(b, 64, True, True) for b in (70, 100, 120, 128, 640)] \
         == [36, 52, 64, 64, 64]
@@ -684,6 +684,7 @@ def test_a_call_just_over_a_chunk_runs_in_equal_chunks(monkeypatch):
     assert fitting._chunk_size(50, 64, True, False) == 50   # one chunk: unpadded
     xy, y, p0 = spots(120, dtype=np.float64, seed=8)
     monkeypatch.setattr(fitting, "CHUNK_BYTES_CPU", 64 * 25 * 5 * 8)   # 64 fits
+    monkeypatch.setattr(fitting, "CHUNK_ELEMENTS", 64 * 25 * 5)         # (with a GPU)
     built = _spy_problems(monkeypatch)
     _clear_solves()
     fit = tf_gradkit.curve_fit(gaussian, xy, y[:70], p0[:70], jit_compile=False)

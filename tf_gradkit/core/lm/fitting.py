@@ -148,11 +148,13 @@ def least_squares_batched(fun, x0, args=(), *, mask=None, bounds=None,
         "qr" or "cholesky"; "auto", the default, is "cholesky" up to 10
         parameters, else "qr", as `least_squares` resolves it;
         ``controller`` a name or a damping object).
-      batch_size: problems per compiled chunk (memory); default: about
+      batch_size: problems per compiled chunk (memory); default: at most
         ``2**24 / (N * P)`` with a GPU, ``2**22 / (N * P * itemsize)``
         without (``2**20 / (N * P)`` in float32); a smaller call is one
         chunk of its size (`curve_fit` pads it by at most 1/8, to one of a
-        few sizes per power of two).
+        few sizes per power of two), and a call of a few more fits than a
+        chunk runs as equal smaller chunks where they save over 1/8 of the
+        work (`_chunk_size`).
       full_output: also return ``fun`` and ``jac`` at the solutions.
       jit_compile: True: compile each chunk's solve with XLA; False: a plain
         ``tf.function``; "auto" (default): plain until this function with
@@ -646,10 +648,11 @@ def _chunk_size(batch, budget, ours, pad_small):
       73,728), so that calls of other sizes (a movie's frames) reuse a few
       traces and compiles. Not for `least_squares_batched`, whose `fun` may
       close over its problems' data: such a call runs unpadded there.
-    - A call of more: equal chunks of that form, where full chunks would
-      leave more than 1/8 of the work to the last chunk's padding (10,000
-      5x5 fits run as two chunks of 5,120, not two of 8,388: 39% less
-      work); otherwise full chunks, whose one trace serves every large call.
+    - A call of more: equal chunks of that form, where they save more than
+      1/8 of the work of full chunks, whose last one is padded (10,000 5x5
+      fits in float32 on a CPU run as two chunks of 5,120, not two of 8,388:
+      39% less work); otherwise full chunks, whose one trace serves every
+      large call.
       The sizes stay on that grid (between half a chunk and a chunk: at most
       8 of them), so varying large calls reuse a few traces and compiles.
     """
