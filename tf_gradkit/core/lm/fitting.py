@@ -172,8 +172,8 @@ def least_squares_batched(fun, x0, args=(), *, mask=None, bounds=None,
         (the reduced problem). Its covariance row and column, ``perr``,
         ``grad`` and Jacobian column are 0 (Gpufit's convention); its
         bounds are not used.
-      progress: print a text progress bar across the chunks (``batch_size``
-        problems each) as they finish.
+      progress: print a text progress bar across the chunks (at most
+        ``batch_size`` problems each) as they finish.
 
     Returns:
       A `BatchedFitResult`.
