@@ -656,14 +656,18 @@ def _chunk_size(batch, budget, ours, pad_small):
       The sizes stay on that grid (between half a chunk and a chunk: at most
       8 of them), so varying large calls reuse a few traces and compiles.
     """
-    if not ours or batch <= budget and not pad_small:
+    if not ours or (batch <= budget and not pad_small):
         return int(min(budget, batch))
     if batch <= budget:
         return int(min(budget, _padded(batch)))
-    chunks = -(-batch // budget)
-    even = min(budget, _padded(-(-batch // chunks)))
-    full = chunks * budget
-    return int(even if full - -(-batch // even) * even > full // 8 else budget)
+    chunks = _ceil_div(batch, budget)
+    even = min(budget, _padded(_ceil_div(batch, chunks)))
+    work_full, work_even = chunks * budget, _ceil_div(batch, even) * even
+    return int(even if work_full - work_even > work_full // 8 else budget)
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
 
 
 def _padded(batch):
