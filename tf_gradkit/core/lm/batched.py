@@ -159,7 +159,7 @@ def solve(residual_fn, x0, options, counts, box=None, full_output=False,
         x=x, cost=final.cost, iterations=out.iterations, status=out.status,
         damping=out.damping, optimality=tf.reduce_max(tf.abs(scaled), axis=-1),
         stationarity=out.stationarity, grad=final.jtr, active_mask=mask,
-        factor=parts.triangular_factor(final.jacobian),
+        factor=parts.triangular_factor(final.jacobian, final.jtj),
         fun=residual_fn(x) if full_output else None,
         jac=final.jacobian if full_output else None, stopped_by=out.stopped_by)
 

@@ -204,24 +204,10 @@ UNROLL_MAX_PARAMS = 16
 
 def unrolled_cholesky_solve(a, rhs):
     """Solves ``a x = rhs`` per problem (``a`` [B, P, P] positive definite,
-    ``rhs`` [B, P]) by a Cholesky factorisation unrolled over the P columns:
-    ``(x, ok)``."""
+    ``rhs`` [B, P]) by a Cholesky factorisation unrolled over the P columns
+    (`small.cholesky_entries`): ``(x, ok)``."""
     p = a.shape[-1]
-    entries = [[a[:, i, j] for j in range(p)] for i in range(p)]
-    low = [[None] * p for _ in range(p)]
-    ok = tf.ones_like(a[:, 0, 0], tf.bool)
-    for j in range(p):
-        s = entries[j][j]
-        for k in range(j):
-            s = s - low[j][k] * low[j][k]
-        ok = ok & (s > 0)
-        d = tf.sqrt(tf.where(s > 0, s, tf.ones_like(s)))
-        low[j][j] = d
-        for i in range(j + 1, p):
-            t = entries[i][j]
-            for k in range(j):
-                t = t - low[i][k] * low[j][k]
-            low[i][j] = t / d
+    low, ok = small.cholesky_entries(a)
     z = []
     for i in range(p):
         t = rhs[:, i]
@@ -246,7 +232,8 @@ def unrolled_qr(a, rhs=None):
     [B, M], ``Q^T rhs`` [B, K]. (As the damped
     solve it measured no faster than XLA's own QR, both far slower than the
     Cholesky solve on the 2-D Gaussian; it factors the final Jacobian for
-    the covariance.)"""
+    the covariance where `triangular_factor` does not take the Cholesky
+    factor.)"""
     m, p = a.shape[-2], a.shape[-1]
     row = np.arange(m)
     cols = [a[:, :, j] for j in range(p)]   # full length: rows < j are done
@@ -276,12 +263,48 @@ def unrolled_qr(a, rhs=None):
     return r, (tf.stack(qtb, axis=-1) if rhs is not None else None)
 
 
-def triangular_factor(jac):
-    """``R`` [B, min(N, P), P] of a QR of ``jac`` [B, N, P] (its singular values and
-    right vectors are ``jac``'s: `covariance` needs only this)."""
-    if jac.shape[-1] <= UNROLL_MAX_PARAMS and spd._in_xla():
+def triangular_factor(jac, jtj=None):
+    """``R`` [B, min(N, P), P] with ``R^T R = J^T J`` (``jac`` [B, N, P]; its
+    singular values and right vectors are ``jac``'s: `covariance` needs only
+    this): a QR's; under XLA for few parameters (and N >= P) the Cholesky
+    factor of ``jtj`` [B, P, P] (``jac``'s, computed already) where
+    `small.cholesky_factor` shows it as good as a QR's, the unrolled QR's
+    for the other problems (`qr_where`)."""
+    p, n = jac.shape[-1], jac.shape[-2]
+    if p <= UNROLL_MAX_PARAMS and spd._in_xla():
+        if jtj is not None and p <= small.COLUMNS_MAX_PARAMS and n >= p:
+            r, ok = small.cholesky_factor(jtj, n)
+            return qr_where(~ok, r, jac)
         return unrolled_qr(jac)[0]
     return tf.linalg.qr(jac)[1]
+
+
+# `qr_where` factors at most 1/QR_FRACTION of a batch's problems by gathering
+# them (each of Gpufit's Gaussians passes `small.cholesky_factor`'s test, so
+# the QR of the final Jacobians, 9% of a 5x5 solve's time, runs on a few
+# rows at most); more than that, the whole batch.
+QR_FRACTION = 16
+
+
+def qr_where(refused, r, jac):
+    """``r`` [B, P, P] with the problems ``refused`` [B] given the unrolled
+    QR's ``R`` of their ``jac`` [B, N, P] instead (gathered where at most
+    1/`QR_FRACTION` of them are, a ``tf.cond``)."""
+    batch = jac.shape[0]
+    if batch is None:
+        return tf.where(refused[:, None, None], unrolled_qr(jac)[0], r)
+    k = max(1, batch // QR_FRACTION)
+
+    def few():
+        rows = tf.math.top_k(tf.cast(refused, r.dtype), k=k, sorted=False).indices
+        patch = tf.where(tf.gather(refused, rows)[:, None, None],
+                         unrolled_qr(tf.gather(jac, rows))[0], tf.gather(r, rows))
+        return tf.tensor_scatter_nd_update(r, rows[:, None], patch)
+
+    def every():
+        return tf.where(refused[:, None, None], unrolled_qr(jac)[0], r)
+
+    return tf.cond(tf.reduce_sum(tf.cast(refused, tf.int64)) <= k, few, every)
 
 
 class BatchedCholesky:

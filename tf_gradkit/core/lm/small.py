@@ -94,6 +94,74 @@ def resolve_solver(solver, p):
     return solver
 
 
+def cholesky_entries(a):
+    """The lower Cholesky factor of ``a`` [B, P, P] (symmetric) unrolled over
+    the columns, elementwise ops on [B] vectors (XLA fuses them; its own
+    batched Cholesky loops over small matrices): ``(low, ok)``, ``low[i][j]``
+    (j <= i) [B] and ``ok`` [B] where every pivot was positive (elsewhere a
+    pivot of 1 stands in: finite, not a factor)."""
+    p = a.shape[-1]
+    entries = [[a[:, i, j] for j in range(p)] for i in range(p)]
+    low = [[None] * p for _ in range(p)]
+    ok = tf.ones_like(entries[0][0], tf.bool)
+    for j in range(p):
+        s = entries[j][j]
+        for k in range(j):
+            s = s - low[j][k] * low[j][k]
+        ok = ok & (s > 0)
+        d = tf.sqrt(tf.where(s > 0, s, tf.ones_like(s)))
+        low[j][j] = d
+        for i in range(j + 1, p):
+            t = entries[i][j]
+            for k in range(j):
+                t = t - low[i][k] * low[j][k]
+            low[i][j] = t / d
+    return low, ok
+
+
+# `cholesky_factor` takes the Cholesky factor of J^T J for the covariance
+# where CHOLESKY_MARGIN * max(N, P) * eps * kappa^2 < 1, kappa = |R_s|_F
+# |R_s^-1|_F of the column-scaled factor R_s (J's columns at unit norm: the
+# condition that rounding sees; the unscaled one of Gpufit's 5x5 Gaussians is
+# ~1,000, the scaled one at most 10). Forming J^T J and factoring it perturb
+# the scaled matrix by at most ~2 (N + P) eps of its trace |R_s|_F^2, that is
+# at most 2 (N + P) / (16 N) <= 1/4 of its smallest eigenvalue: every
+# singular value within a factor 0.87-1.12 of J's, and the covariance as
+# accurate as a QR's (both err by ~ kappa^2 eps). The full-rank test of the
+# QR's factor (`full_rank_inverse`) is then passed with a margin of 2.
+CHOLESKY_MARGIN = 16
+
+
+def cholesky_factor(jtj, points):
+    """``(R [B, P, P], ok [B])``: ``R = L^T`` of the Cholesky factor of
+    ``jtj`` = J^T J (``points`` = N, static), ``R^T R = J^T J`` as a QR's
+    ``R`` up to rows' signs; ``ok`` where that factor is as good as a QR's
+    for the covariance and its full-rank test (`CHOLESKY_MARGIN`): the
+    others need a QR (`batched_parts.triangular_factor`)."""
+    dtype = jtj.dtype
+    eps = float(np.finfo(dtype.as_numpy_dtype).eps)
+    p = jtj.shape[-1]
+    low, ok = cholesky_entries(jtj)
+    zero = tf.zeros_like(low[0][0])
+    r = tf.stack([tf.stack([low[j][i] if j >= i else zero for j in range(p)], axis=-1)
+                  for i in range(p)], axis=-2)
+    inv = triangular_inverse(r)
+    diag = [jtj[:, i, i] for i in range(p)]
+    pairs = [(i, j) for i in range(p) for j in range(i, p)]
+    r_norm2 = tf.add_n([low[j][i] * low[j][i] for i, j in pairs])
+    inv_norm2 = tf.add_n([inv[i][j] * inv[i][j] for i, j in pairs])
+    # the column-scaled factor R_s = R diag(J^T J)^(-1/2): R_s[i, j] =
+    # R[i, j] / sqrt(a_jj), R_s^-1[i, j] = R^-1[i, j] sqrt(a_ii)
+    scaled = tf.add_n([low[j][i] * low[j][i] / diag[j] for i, j in pairs])
+    inv_scaled = tf.add_n([inv[i][j] * inv[i][j] * diag[i] for i, j in pairs])
+    kappa2 = scaled * inv_scaled
+    m = float(max(points, p))
+    ok = (ok & tf.math.is_finite(kappa2) & tf.math.is_finite(r_norm2 * inv_norm2)
+          & (CHOLESKY_MARGIN * m * eps * kappa2 < 1.0)
+          & (4.0 * (eps * m) ** 2 * inv_norm2 * r_norm2 < 1.0))
+    return r, ok
+
+
 def triangular_inverse(r):
     """``R^-1`` of upper-triangular ``r`` [B, P, P] by back substitution
     unrolled over the columns (elementwise ops on [B] vectors), as a list of

@@ -1,0 +1,127 @@
+"""The covariance's triangular factor under XLA (issue 39): the Cholesky
+factor of the final J^T J where `small.cholesky_factor` shows it as good as a
+QR's, the unrolled QR's elsewhere (`batched_parts.qr_where`, gathered or for
+the whole batch), against the QR's factor and its covariance."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_gradkit
+from tf_gradkit.core.lm import batched_parts, small
+
+pytestmark = pytest.mark.keras_free
+
+
+def jacobians(batch, dtype, seed=0, n=25, p=5):
+    """Well-conditioned Jacobians with column scales from 0.03 to 30 (the
+    unscaled condition number ~1e3-1e4, as Gpufit's Gaussians' ~1e3; the
+    column-scaled one ~3)."""
+    rng = np.random.default_rng(seed)
+    j = rng.normal(size=(batch, n, p)) * np.logspace(-1.5, 1.5, p)
+    return j.astype(dtype)
+
+
+def factors(jac):
+    """(``triangular_factor`` with J^T J, its `cholesky_factor` ``ok``, the
+    unrolled QR's R, the covariance from each) under XLA."""
+
+    def run(jac):
+        jtj = tf.reduce_sum(jac[..., :, None] * jac[..., None, :], axis=-3)
+        counts = tf.fill(tf.shape(jac)[:1], tf.constant(float(jac.shape[1]), jac.dtype))
+        cost = tf.ones_like(counts)
+        r = batched_parts.triangular_factor(jac, jtj)
+        _, ok = small.cholesky_factor(jtj, jac.shape[1])
+        qr = batched_parts.unrolled_qr(jac)[0]
+        return (r, ok, qr, small.proven_covariance(r, cost, counts, True),
+                small.proven_covariance(qr, cost, counts, True))
+
+    return tf.function(run, jit_compile=True, autograph=False)(tf.constant(jac))
+
+
+def normalised(a, b):
+    """``|a - b|`` over ``sqrt(b_ii b_jj)``, per problem (the covariances'
+    difference on the scale of their correlations)."""
+    d = np.sqrt(np.abs(np.einsum("bii->bi", b)))
+    return np.max(np.abs(a - b) / (d[:, :, None] * d[:, None, :]), axis=(1, 2))
+
+
+@pytest.mark.parametrize("dtype, tol", [(np.float32, 2e-5), (np.float64, 1e-12)])
+def test_cholesky_factor_is_taken_where_it_is_as_good_as_a_qr(dtype, tol):
+    """Badly scaled but well-conditioned Jacobians: every problem takes the
+    Cholesky factor (the scaled condition number is what the test reads),
+    R^T R = J^T J, and the covariance is the QR's to ~kappa^2 eps
+    (kappa ~10: 2e-5 in float32, 1e-12 in float64), every entry finite."""
+    jac = jacobians(64, dtype)
+    r, ok, qr, (cov, exact), (cov_qr, exact_qr) = factors(jac)
+    assert np.all(ok.numpy()) and np.all(exact.numpy()) and np.all(exact_qr.numpy())
+    r64 = r.numpy().astype(np.float64)
+    gram = np.einsum("bni,bnj->bij", jac.astype(np.float64), jac.astype(np.float64))
+    np.testing.assert_allclose(np.einsum("bki,bkj->bij", r64, r64), gram,
+                               rtol=0, atol=50 * np.finfo(dtype).eps * np.abs(gram).max())
+    assert np.all(np.tril(r.numpy(), -1) == 0)
+    err = normalised(cov.numpy(), cov_qr.numpy())
+    assert np.all(np.isfinite(cov.numpy())) and err.max() < tol, err.max()
+
+
+@pytest.mark.parametrize("bad_rows", [2, 20])
+def test_problems_refused_take_the_qr_factor(bad_rows):
+    """float32, 64 problems: ``bad_rows`` of them with two nearly equal
+    columns (scaled condition ~1e5: J^T J loses them), one with a zero column
+    (rank-deficient) and one with a NaN. Those are refused and take the
+    unrolled QR's factor (gathered for 2 + 2 <= 64/16 of them, the whole
+    batch's QR for 22), so their covariance and full-rank verdict are the
+    QR's; the others keep the Cholesky factor."""
+    jac = jacobians(64, np.float32, seed=bad_rows)
+    rng = np.random.default_rng(1)
+    bad = rng.choice(64, size=bad_rows + 2, replace=False)
+    for b in bad[:bad_rows]:
+        jac[b, :, 1] = jac[b, :, 0] * (1.0 + 1e-5 * rng.normal(size=25))
+    jac[bad[-2], :, 3] = 0.0
+    jac[bad[-1], 4, 2] = np.nan
+    r, ok, qr, (cov, exact), (cov_qr, exact_qr) = factors(jac)
+    refused = np.zeros(64, bool)
+    refused[bad] = True
+    np.testing.assert_array_equal(~ok.numpy(), refused)
+    np.testing.assert_allclose(r.numpy()[refused], qr.numpy()[refused], rtol=1e-6,
+                               atol=1e-6 * np.nanmax(np.abs(qr.numpy())))
+    np.testing.assert_array_equal(exact.numpy(), exact_qr.numpy())
+    assert not exact.numpy()[bad[-2]] and not exact.numpy()[bad[-1]]
+    keep = ~refused
+    np.testing.assert_array_equal(
+        np.abs(np.diagonal(r.numpy()[keep], axis1=1, axis2=2)) > 0, True)
+    assert normalised(cov.numpy()[keep], cov_qr.numpy()[keep]).max() < 2e-5
+
+
+def test_curve_fit_covariance_under_xla_matches_the_plain_engine():
+    """End to end (float64 2-D Gaussians, 5x5): the XLA engine's covariance,
+    from the Cholesky factor, equals the plain engine's (``tf.linalg.qr``
+    and an SVD) to 1e-6 of the correlation scale, as close as the two
+    engines' solutions are (they stop within ~1e-8 of each other: the two
+    round differently and a fit's flattest direction is known to ~sqrt(eps));
+    a fit whose model ignores a parameter is still undetermined (inf) under
+    XLA."""
+    rng = np.random.default_rng(3)
+    g = np.arange(5.0)
+    xy = np.stack(np.meshgrid(g, g)).reshape(2, -1)
+    truth = np.stack([rng.uniform(50, 100, 40), rng.uniform(1.5, 2.5, 40),
+                      rng.uniform(1.5, 2.5, 40), rng.uniform(0.8, 1.2, 40),
+                      rng.uniform(5, 15, 40)], axis=1)
+
+    def gaussian(xy, p):
+        dx = xy[0][None, :] - p[:, 1:2]
+        dy = xy[1][None, :] - p[:, 2:3]
+        return p[:, 0:1] * tf.exp(-(dx * dx + dy * dy) / (2.0 * p[:, 3:4] ** 2)) + p[:, 4:5]
+
+    y = gaussian(tf.constant(xy), tf.constant(truth)).numpy() + rng.normal(size=(40, 25))
+    fits = [tf_gradkit.curve_fit(gaussian, xy, y, truth * 1.05, jit_compile=jit)
+            for jit in (True, False)]
+    np.testing.assert_allclose(fits[0].x.numpy(), fits[1].x.numpy(), rtol=1e-7)
+    assert normalised(fits[0].covariance.numpy(), fits[1].covariance.numpy()).max() < 1e-6
+
+    def ignores_width(xy, p):
+        return gaussian(xy, tf.concat([p[:, :3], tf.ones_like(p[:, 3:4]), p[:, 4:]], 1))
+
+    with pytest.warns(UserWarning, match="covariance"):
+        fit = tf_gradkit.curve_fit(ignores_width, xy, y[:3], truth[:3], jit_compile=True)
+    assert np.all(fit.undetermined.numpy()) and np.all(np.isinf(fit.covariance.numpy()))
