@@ -1,7 +1,8 @@
 """The covariance's triangular factor under XLA (issue 39): the Cholesky
 factor of the final J^T J where `small.cholesky_factor` shows it as good as a
 QR's, the unrolled QR's elsewhere (`batched_parts.qr_where`, gathered or for
-the whole batch), against the QR's factor and its covariance."""
+the whole batch), against the QR's factor and its covariance; and the sums
+over points in blocks (`small.point_sum`)."""
 
 import numpy as np
 import pytest
@@ -125,3 +126,18 @@ def test_curve_fit_covariance_under_xla_matches_the_plain_engine():
     with pytest.warns(UserWarning, match="covariance"):
         fit = tf_gradkit.curve_fit(ignores_width, xy, y[:3], truth[:3], jit_compile=True)
     assert np.all(fit.undetermined.numpy()) and np.all(np.isinf(fit.covariance.numpy()))
+
+
+@pytest.mark.parametrize("n", [1, 25, 32, 33, 100, 225, 1000])
+def test_point_sum_is_the_sum_over_points(n):
+    """`small.point_sum` under XLA (blocks of at most 32 points, a remainder
+    apart: 33 = 2 x 16 + 1, 225 = 8 x 28 + 1, 1000 = 32 x 31 + 8) equals
+    ``reduce_sum`` to float64 round-off (n eps of the sum of |t|); outside
+    XLA it is ``reduce_sum`` itself, bit for bit."""
+    rng = np.random.default_rng(n)
+    t = tf.constant(rng.normal(size=(7, n)) * np.exp(rng.normal(size=(7, n))))
+    ref = tf.reduce_sum(t, axis=-1).numpy()
+    got = tf.function(small.point_sum, jit_compile=True, autograph=False)(t).numpy()
+    bound = n * np.finfo(np.float64).eps * np.sum(np.abs(t.numpy()), axis=-1)
+    assert np.all(np.abs(got - ref) <= bound), (got - ref, bound)
+    np.testing.assert_array_equal(small.point_sum(t).numpy(), ref)

@@ -105,10 +105,10 @@ class BatchedRobustLoss:
 
     def cost(self, f):
         if self.is_linear:
-            return 0.5 * tf.reduce_sum(tf.square(f), axis=-1)
+            return 0.5 * small.point_sum(tf.square(f))
         c = tf.constant(self.loss.f_scale, f.dtype)
         rho, _, _ = self._rho(tf.square(f / c))
-        return 0.5 * c * c * tf.reduce_sum(rho, axis=-1)
+        return 0.5 * c * c * small.point_sum(rho)
 
     def weights(self, f):
         c = tf.constant(self.loss.f_scale, f.dtype)
@@ -116,7 +116,7 @@ class BatchedRobustLoss:
         eps = tf.constant(tf.experimental.numpy.finfo(f.dtype.as_numpy_dtype).eps,
                           f.dtype)
         if self.loss.first_order:  # the part's own flag, as `RobustLoss.weights`
-            mean = tf.reduce_sum(tf.abs(f), axis=-1) / self.counts
+            mean = small.point_sum(tf.abs(f)) / self.counts
             floor = robust_lib.FIRST_ORDER_FLOOR * mean / c
             z = tf.maximum(z, tf.maximum(tf.square(floor), eps)[:, None])
             _, d1, _ = self._rho(z)
