@@ -288,23 +288,30 @@ QR_FRACTION = 16
 
 def qr_where(refused, r, jac):
     """``r`` [B, P, P] with the problems ``refused`` [B] given the unrolled
-    QR's ``R`` of their ``jac`` [B, N, P] instead (gathered where at most
-    1/`QR_FRACTION` of them are, a ``tf.cond``)."""
+    QR's ``R`` of their ``jac`` [B, N, P] instead: none refused, ``r`` as it
+    is; at most 1/`QR_FRACTION` of them, gathered; else the whole batch's QR
+    (``tf.cond``s: XLA runs one branch). The branches take ``jac``'s columns,
+    so that a Jacobian formed by columns is not written out as a whole."""
     batch = jac.shape[0]
     if batch is None:
         return tf.where(refused[:, None, None], unrolled_qr(jac)[0], r)
     k = max(1, batch // QR_FRACTION)
+    columns = [jac[..., j] for j in range(jac.shape[-1])]
 
     def few():
         rows = tf.math.top_k(tf.cast(refused, r.dtype), k=k, sorted=False).indices
+        some = tf.stack([tf.gather(c, rows) for c in columns], axis=-1)
         patch = tf.where(tf.gather(refused, rows)[:, None, None],
-                         unrolled_qr(tf.gather(jac, rows))[0], tf.gather(r, rows))
+                         unrolled_qr(some)[0], tf.gather(r, rows))
         return tf.tensor_scatter_nd_update(r, rows[:, None], patch)
 
     def every():
-        return tf.where(refused[:, None, None], unrolled_qr(jac)[0], r)
+        whole = unrolled_qr(tf.stack(columns, axis=-1))[0]
+        return tf.where(refused[:, None, None], whole, r)
 
-    return tf.cond(tf.reduce_sum(tf.cast(refused, tf.int64)) <= k, few, every)
+    count = tf.reduce_sum(tf.cast(refused, tf.int64))
+    return tf.cond(count == 0, lambda: r,
+                   lambda: tf.cond(count <= k, few, every))
 
 
 class BatchedCholesky:
