@@ -1,7 +1,7 @@
 """The covariance's triangular factor under XLA (issue 39): the Cholesky
 factor of the final J^T J where `small.cholesky_factor` shows it as good as a
-QR's, the unrolled QR's elsewhere (`batched_parts.qr_where`, gathered or for
-the whole batch), against the QR's factor and its covariance; and the sums
+QR's, the unrolled QR's elsewhere (`batched_parts.qr_where`, gathered 1/16
+of a batch at a time), against the QR's factor and its covariance; and the sums
 over points in blocks (`small.point_sum`)."""
 
 import numpy as np
@@ -70,8 +70,8 @@ def test_problems_refused_take_the_qr_factor(bad_rows):
     """float32, 64 problems: ``bad_rows`` of them with two nearly equal
     columns (scaled condition ~1e5: J^T J loses them), one with a zero column
     (rank-deficient) and one with a NaN. Those are refused and take the
-    unrolled QR's factor (gathered for 2 + 2 <= 64/16 of them, the whole
-    batch's QR for 22), so their covariance and full-rank verdict are the
+    unrolled QR's factor (gathered: one pass of 64/16 rows for 2 + 2 of
+    them, six for 22), so their covariance and full-rank verdict are the
     QR's; the others keep the Cholesky factor."""
     jac = jacobians(64, np.float32, seed=bad_rows)
     rng = np.random.default_rng(1)

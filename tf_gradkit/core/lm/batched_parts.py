@@ -279,39 +279,36 @@ def triangular_factor(jac, jtj=None):
     return tf.linalg.qr(jac)[1]
 
 
-# `qr_where` factors at most 1/QR_FRACTION of a batch's problems by gathering
-# them (each of Gpufit's Gaussians passes `small.cholesky_factor`'s test, so
-# the QR of the final Jacobians, 9% of a 5x5 solve's time, runs on a few
-# rows at most); more than that, the whole batch.
+# `qr_where` factors the refused problems QR_FRACTION-th of a batch at a time
+# (each of Gpufit's Gaussians passes `small.cholesky_factor`'s test, so the
+# QR of the final Jacobians, 9% of a 5x5 solve's time, runs on a few rows
+# at most, and is traced and compiled once, for that many rows).
 QR_FRACTION = 16
 
 
 def qr_where(refused, r, jac):
     """``r`` [B, P, P] with the problems ``refused`` [B] given the unrolled
-    QR's ``R`` of their ``jac`` [B, N, P] instead: none refused, ``r`` as it
-    is; at most 1/`QR_FRACTION` of them, gathered; else the whole batch's QR
-    (``tf.cond``s: XLA runs one branch). The branches take ``jac``'s columns,
-    so that a Jacobian formed by columns is not written out as a whole."""
+    QR's ``R`` of their ``jac`` [B, N, P] instead: a ``tf.while_loop`` that
+    gathers up to 1/`QR_FRACTION` of the batch's refused problems per pass
+    (none refused: no pass). It takes ``jac``'s columns, so that a
+    Jacobian formed by columns is not written out as a whole."""
     batch = jac.shape[0]
     if batch is None:
         return tf.where(refused[:, None, None], unrolled_qr(jac)[0], r)
     k = max(1, batch // QR_FRACTION)
     columns = [jac[..., j] for j in range(jac.shape[-1])]
 
-    def few():
-        rows = tf.math.top_k(tf.cast(refused, r.dtype), k=k, sorted=False).indices
+    def factor_some(left, r):
+        rows = tf.math.top_k(tf.cast(left, r.dtype), k=k, sorted=False).indices
         some = tf.stack([tf.gather(c, rows) for c in columns], axis=-1)
-        patch = tf.where(tf.gather(refused, rows)[:, None, None],
+        patch = tf.where(tf.gather(left, rows)[:, None, None],
                          unrolled_qr(some)[0], tf.gather(r, rows))
-        return tf.tensor_scatter_nd_update(r, rows[:, None], patch)
+        return (tf.tensor_scatter_nd_update(left, rows[:, None],
+                                            tf.zeros_like(rows, tf.bool)),
+                tf.tensor_scatter_nd_update(r, rows[:, None], patch))
 
-    def every():
-        whole = unrolled_qr(tf.stack(columns, axis=-1))[0]
-        return tf.where(refused[:, None, None], whole, r)
-
-    count = tf.reduce_sum(tf.cast(refused, tf.int64))
-    return tf.cond(count == 0, lambda: r,
-                   lambda: tf.cond(count <= k, few, every))
+    return tf.while_loop(lambda left, _: tf.reduce_any(left), factor_some,
+                         (refused, r))[1]
 
 
 class BatchedCholesky:
