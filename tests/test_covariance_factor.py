@@ -25,19 +25,27 @@ def jacobians(batch, dtype, seed=0, n=25, p=5):
 
 def factors(jac):
     """(``triangular_factor`` with J^T J, its `cholesky_factor` ``ok``, the
-    unrolled QR's R, the covariance from each) under XLA."""
+    unrolled QR's R, the covariance from each) under XLA; checks that
+    ``triangular_factor`` gave `cholesky_factor`'s own R wherever it
+    accepted it (bit for bit, its diagonal positive where the Householder
+    R's is negative for a column whose head is >= 0)."""
 
     def run(jac):
         jtj = tf.reduce_sum(jac[..., :, None] * jac[..., None, :], axis=-3)
         counts = tf.fill(tf.shape(jac)[:1], tf.constant(float(jac.shape[1]), jac.dtype))
         cost = tf.ones_like(counts)
         r = batched_parts.triangular_factor(jac, jtj)
-        _, ok = small.cholesky_factor(jtj, jac.shape[1])
+        cholesky, ok = small.cholesky_factor(jtj, jac.shape[1])
         qr = batched_parts.unrolled_qr(jac)[0]
-        return (r, ok, qr, small.proven_covariance(r, cost, counts, True),
+        return (r, ok, cholesky, qr, small.proven_covariance(r, cost, counts, True),
                 small.proven_covariance(qr, cost, counts, True))
 
-    return tf.function(run, jit_compile=True, autograph=False)(tf.constant(jac))
+    r, ok, cholesky, *rest = tf.function(run, jit_compile=True,
+                                         autograph=False)(tf.constant(jac))
+    taken = ok.numpy()
+    np.testing.assert_array_equal(r.numpy()[taken], cholesky.numpy()[taken])
+    assert np.all(np.diagonal(r.numpy()[taken], axis1=1, axis2=2) > 0)
+    return (r, ok, *rest)
 
 
 def normalised(a, b):
@@ -128,10 +136,12 @@ def test_curve_fit_covariance_under_xla_matches_the_plain_engine():
     assert np.all(fit.undetermined.numpy()) and np.all(np.isinf(fit.covariance.numpy()))
 
 
-@pytest.mark.parametrize("n", [1, 25, 32, 33, 100, 225, 1000])
+@pytest.mark.parametrize("n", [1, 25, 32, 33, 100, 225, 1000, 2047, 5000])
 def test_point_sum_is_the_sum_over_points(n):
-    """`small.point_sum` under XLA (blocks of at most 32 points, a remainder
-    apart: 33 = 2 x 16 + 1, 225 = 8 x 28 + 1, 1000 = 32 x 31 + 8) equals
+    """`small.point_sum` under XLA (slices of at most 32 points up to 1,024
+    points, at most 32 slices beyond, a remainder apart: 33 = 2 x 16 + 1,
+    225 = 8 x 28 + 1, 1000 = 32 x 31 + 8, 2047 = 32 x 63 + 31, 5000 =
+    32 x 156 + 8) equals
     ``reduce_sum`` to float64 round-off (n eps of the sum of |t|); outside
     XLA it is ``reduce_sum`` itself, bit for bit."""
     rng = np.random.default_rng(n)
@@ -141,3 +151,39 @@ def test_point_sum_is_the_sum_over_points(n):
     bound = n * np.finfo(np.float64).eps * np.sum(np.abs(t.numpy()), axis=-1)
     assert np.all(np.abs(got - ref) <= bound), (got - ref, bound)
     np.testing.assert_array_equal(small.point_sum(t).numpy(), ref)
+
+
+def test_a_compiled_fit_takes_the_cholesky_factor(monkeypatch):
+    """The wiring: a float32 5x5 Gaussian fit under XLA factors its final
+    J^T J by `small.cholesky_factor` (traced once, for 25 points), and its
+    test accepts every one of these fits' final Jacobians (run eagerly on
+    ``full_output``'s ``jac``: no QR needed)."""
+    calls = []
+    original = small.cholesky_factor
+
+    def spy(jtj, points):
+        calls.append(points)
+        return original(jtj, points)
+
+    monkeypatch.setattr(small, "cholesky_factor", spy)
+    rng = np.random.default_rng(5)
+    g = np.arange(5.0, dtype=np.float32)
+    xy = np.stack(np.meshgrid(g, g)).reshape(2, -1)
+    truth = np.stack([rng.uniform(500, 1000, 64), rng.uniform(1.5, 2.5, 64),
+                      rng.uniform(1.5, 2.5, 64), rng.uniform(0.8, 1.2, 64),
+                      rng.uniform(5, 15, 64)], axis=1).astype(np.float32)
+
+    def model(xy, p):   # a function of its own: traced here, with the spy
+        dx = xy[0][None, :] - p[:, 1:2]
+        dy = xy[1][None, :] - p[:, 2:3]
+        return p[:, 0:1] * tf.exp(-(dx * dx + dy * dy) / (2.0 * p[:, 3:4] ** 2)) + p[:, 4:5]
+
+    y = model(tf.constant(xy), tf.constant(truth)).numpy()
+    y = y + rng.normal(size=y.shape).astype(np.float32) * np.sqrt(y)
+    fit = tf_gradkit.curve_fit(model, xy, y, truth * 1.02, jit_compile=True,
+                               full_output=True)
+    assert calls == [25], calls
+    assert np.all(fit.converged.numpy()) and np.all(np.isfinite(fit.covariance.numpy()))
+    jac = fit.jac
+    _, ok = original(tf.einsum("bni,bnj->bij", jac, jac), 25)
+    assert np.all(ok.numpy())

@@ -64,7 +64,7 @@ class BatchedSolution(NamedTuple):
     stationarity: tf.Tensor  # [B]
     grad: tf.Tensor          # [B, P]
     active_mask: tf.Tensor   # [B, P] int64
-    factor: tf.Tensor        # [B, K, P] R of a QR of jac, K = min(N, P) (covariance)
+    factor: tf.Tensor        # [B, K, P] R^T R = J^T J, K = min(N, P) (`triangular_factor`)
     fun: tf.Tensor = None    # [B, N] the residuals at x (full_output)
     jac: tf.Tensor = None    # [B, N, P] robust-scaled as scipy's (full_output)
     stopped_by: tf.Tensor = None  # [B] int64 (`whole_solve.reason_text`)

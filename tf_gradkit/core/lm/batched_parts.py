@@ -272,7 +272,8 @@ def triangular_factor(jac, jtj=None):
     for the other problems (`qr_where`)."""
     p, n = jac.shape[-1], jac.shape[-2]
     if p <= UNROLL_MAX_PARAMS and spd._in_xla():
-        if jtj is not None and p <= small.COLUMNS_MAX_PARAMS and n >= p:
+        if (jtj is not None and p <= small.COLUMNS_MAX_PARAMS and n is not None
+                and n >= p):
             r, ok = small.cholesky_factor(jtj, n)
             return qr_where(~ok, r, jac)
         return unrolled_qr(jac)[0]
@@ -295,7 +296,7 @@ def qr_where(refused, r, jac):
     batch = jac.shape[0]
     if batch is None:
         return tf.where(refused[:, None, None], unrolled_qr(jac)[0], r)
-    k = max(1, batch // QR_FRACTION)
+    k = -(-batch // QR_FRACTION)   # at most QR_FRACTION passes
     columns = [jac[..., j] for j in range(jac.shape[-1])]
 
     def factor_some(left, r):

@@ -60,25 +60,28 @@ def jacobian_columns(residual_fn, x):
     return residuals, columns
 
 
-# Under XLA a sum over more than this many points is taken in blocks of at
-# most this many (`point_sum`). Why: XLA's CPU compiler rewrites a longer
-# reduction into a reduce-window over blocks of 32 and a second reduction, and
-# does not fuse the reduce-window with the product it sums: each product of
-# two Jacobian columns is written out and read back. On Gpufit's 15x15
-# Gaussian (225 points) that made the linearisation's 26 sums 1.8x slower
-# than block sums of elementwise slices, which fuse into one loop each.
+# Under XLA a sum over more than this many points is taken in blocks
+# (`point_sum`). Why: XLA's CPU compiler rewrites a longer reduction into a
+# reduce-window over blocks of 32 and a second reduction, and does not fuse
+# the reduce-window with the product it sums: each product of two Jacobian
+# columns is written out and read back. On Gpufit's 15x15 Gaussian (225
+# points) that made the linearisation's 26 sums 1.8x slower than block sums
+# of elementwise slices, which fuse into one loop each.
 POINT_BLOCK = 32
 
 
 def point_sum(t):
-    """``sum(t, axis=-1)`` over the points of ``t`` [B, N]: under XLA, for
+    """``sum(t, axis=-1)`` over the points of ``t`` [..., N]: under XLA, for
     N > `POINT_BLOCK`, as the sum over the last axis of the elementwise sum
-    of its ceil(N / 32) blocks of equal width (a remainder of fewer points
-    summed apart); else one ``reduce_sum``. The same sum, another order."""
+    of ``blocks`` = min(ceil(N / 32), 32) slices of equal width (the fewer
+    than ``blocks`` points left over summed apart; at most 32 slices, so the
+    traced graph stays small for long fits: beyond 1,024 points the blocks
+    are wider than 32 and XLA splits their sum, over 1/32 of the data); else
+    one ``reduce_sum``. The same sum, another order."""
     n = t.shape[-1]
     if n is None or n <= POINT_BLOCK or not spd._in_xla():
         return tf.reduce_sum(t, axis=-1)
-    blocks = -(-n // POINT_BLOCK)
+    blocks = min(-(-n // POINT_BLOCK), POINT_BLOCK)
     width = n // blocks
     total = tf.reduce_sum(tf.add_n([t[..., i * width:(i + 1) * width]
                                     for i in range(blocks)]), axis=-1)
