@@ -282,7 +282,7 @@ def triangular_factor(jac, jtj=None):
 
 # `qr_where` factors the refused problems QR_FRACTION-th of a batch at a time
 # (each of Gpufit's Gaussians passes `small.cholesky_factor`'s test, so the
-# QR of the final Jacobians, 9% of a 5x5 solve's time, runs on a few rows
+# QR of the final Jacobians, 8% of a 5x5 solve's CPU time, runs on a few rows
 # at most, and is traced and compiled once, for that many rows).
 QR_FRACTION = 16
 

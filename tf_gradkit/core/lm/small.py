@@ -175,20 +175,16 @@ def cholesky_factor(jtj, points):
     zero = tf.zeros_like(low[0][0])
     r = tf.stack([tf.stack([low[j][i] if j >= i else zero for j in range(p)], axis=-1)
                   for i in range(p)], axis=-2)
-    inv = triangular_inverse(r)
-    diag = [jtj[:, i, i] for i in range(p)]
-    pairs = [(i, j) for i in range(p) for j in range(i, p)]
-    r_norm2 = tf.add_n([low[j][i] * low[j][i] for i, j in pairs])
-    inv_norm2 = tf.add_n([inv[i][j] * inv[i][j] for i, j in pairs])
-    # the column-scaled factor R_s = R diag(J^T J)^(-1/2): R_s[i, j] =
-    # R[i, j] / sqrt(a_jj), R_s^-1[i, j] = R^-1[i, j] sqrt(a_ii)
-    scaled = tf.add_n([low[j][i] * low[j][i] / diag[j] for i, j in pairs])
-    inv_scaled = tf.add_n([inv[i][j] * inv[i][j] * diag[i] for i, j in pairs])
-    kappa2 = scaled * inv_scaled
     m = float(max(points, p))
-    ok = (ok & tf.math.is_finite(kappa2) & tf.math.is_finite(r_norm2 * inv_norm2)
-          & (CHOLESKY_MARGIN * m * eps * kappa2 < 1.0)
-          & (4.0 * (eps * m) ** 2 * inv_norm2 * r_norm2 < 1.0))
+    # the QR's full-rank test, with a margin of 2
+    inv, full_rank = full_rank_inverse(r, tf.constant(2.0 * eps * m, dtype))
+    # kappa^2 of the column-scaled factor R_s = R diag(J^T J)^(-1/2):
+    # |R_s|_F^2 = trace of the scaled J^T J = P (R's column j has norm^2
+    # a_jj), and R_s^-1[i, j] = R^-1[i, j] sqrt(a_ii)
+    kappa2 = p * tf.add_n([inv[:, i, j] * inv[:, i, j] * jtj[:, i, i]
+                           for i in range(p) for j in range(i, p)])
+    ok = (ok & full_rank & tf.math.is_finite(kappa2)
+          & (CHOLESKY_MARGIN * m * eps * kappa2 < 1.0))
     return r, ok
 
 
