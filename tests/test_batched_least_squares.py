@@ -140,16 +140,17 @@ def test_batch_matches_single_solves():
         assert 1 in statuses and 2 in statuses and 3 in statuses, statuses
 
 
-@pytest.mark.slow
 def test_compiled_batch_matches_single_solves():
-    """The same under XLA (its CPU code rounds differently, so the default
+    """The same under XLA (``jit_compile=True``: "auto" would not compile 26
+    fits; the data carried through the loop, `loop_data`; its CPU code
+    rounds differently, so the default
     tolerances, at round-off, may stop an iteration apart or for the other
     tolerance): with tolerances above round-off each problem stops where the
     single solve does, for the same reason."""
     t, y, sigma, mask, p0, lengths = _mixed_batch()
     tolerances = dict(ftol=1e-10, xtol=1e-10, gtol=1e-10)
     fit = tf_gradkit.curve_fit(decay, t, y, p0, sigma=sigma, bounds=(LOWER, UPPER),
-                               mask=mask, **tolerances)
+                               mask=mask, jit_compile=True, **tolerances)
     _check_mixed(fit, t, y, sigma, p0, lengths, rtol=1e-8, **tolerances)
 
 

@@ -22,6 +22,7 @@ import tensorflow as tf
 from tf_gradkit.core import spd
 from tf_gradkit.core.lm import batched_parts as parts
 from tf_gradkit.core.lm import damping as damping_lib
+from tf_gradkit.core.lm import loop_data
 from tf_gradkit.core.lm.least_squares import REASONS, STATIONARY_COSINE
 from tf_gradkit.core.lm.whole_solve import (ROUND_OFF_STEP, gauss_newton_decrease,
                                             within_ftol)
@@ -217,8 +218,11 @@ def _run(prob, rows_fn, counts, x0, start_code, start_cost, scaling, controller,
     if (rows_fn is not None and batch is not None and batch >= COMPACT_MIN_BATCH
             and spd._in_xla()):
         limit = batch // COMPACT_FRACTION
-    state = _loop(_body(prob, scaling, controller, options, sqrt_eps), state, options,
-                  limit)
+
+    def body_of(problems):
+        return _body(problems, scaling, controller, options, sqrt_eps)
+
+    state = _loop(prob, body_of, state, options, limit)
     if limit is not None:
         running = (state[2] == 0) & (state[1] < options.max_iterations)
         rows = tf.math.top_k(tf.cast(running, dtype), k=limit, sorted=False).indices
@@ -226,8 +230,8 @@ def _run(prob, rows_fn, counts, x0, start_code, start_cost, scaling, controller,
         sub_box = None if box is None else parts.BatchedBounds(
             tf.gather(box.lower, rows), tf.gather(box.upper, rows))
         sub = _problems(rows_fn(rows), tf.gather(counts, rows), sub_box, options)
-        sub_state = _loop(_body(sub, scaling, controller, options, sqrt_eps),
-                          tuple(tf.gather(t, rows) for t in state), options, None)
+        sub_state = _loop(sub, body_of, tuple(tf.gather(t, rows) for t in state),
+                          options, None)
         state = tuple(tf.tensor_scatter_nd_update(t, rows[:, None], u)
                       for t, u in zip(state, sub_state))
     x, it, code, damping, _, _, largest, test, _, _ = state
@@ -268,9 +272,13 @@ def _gauss_newton(jtj, jtr):
                                          tf.ones_like(jtr))
 
 
-def _loop(body, state, options, limit):
-    """Passes of ``body`` until no problem runs (or, with ``limit``, until at
-    most ``limit`` do)."""
+def _loop(prob, body_of, state, options, limit):
+    """Passes of ``body_of(prob)`` until no problem runs (or, with ``limit``,
+    until at most ``limit`` do). Under XLA, when the residuals carry the
+    ``loop_data`` ability, their data ride in the loop's state behind a
+    barrier and each pass builds its residuals from them (`loop_data`: so
+    the P JVPs' copies of the model merge)."""
+    n = len(state)
 
     def running(code, it):
         return (code == 0) & (it < options.max_iterations)
@@ -280,8 +288,22 @@ def _loop(body, state, options, limit):
             return tf.reduce_any(running(code, it))
         return tf.reduce_sum(tf.cast(running(code, it), tf.int64)) > limit
 
-    return tf.while_loop(cond, body, state,
-                         maximum_iterations=options.max_iterations * options.max_attempts)
+    most = options.max_iterations * options.max_attempts
+    carry = loop_data.carried(prob.residual_fn) if spd._in_xla() else None
+    if carry is None:
+        return tf.while_loop(cond, body_of(prob), state, maximum_iterations=most)
+    tensors, rebuild = carry
+
+    def body(*args):
+        data = loop_data.barrier(args[n:])
+        fn = rebuild(data)
+        this = prob._replace(residual_fn=fn,
+                             cost_fn=lambda x: prob.robust.cost(fn(x)))
+        return tuple(body_of(this)(*args[:n])) + tuple(data)
+
+    out = tf.while_loop(lambda *args: cond(*args[:n]), body,
+                        tuple(state) + tuple(tensors), maximum_iterations=most)
+    return tuple(out[:n])
 
 
 def _body(prob, scaling, controller, options, sqrt_eps):

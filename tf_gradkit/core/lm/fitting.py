@@ -22,6 +22,7 @@ from tf_gradkit.core.lm import batched_parts
 from tf_gradkit.core.lm import damping as damping_lib
 from tf_gradkit.core.lm import fit_report
 from tf_gradkit.core.lm import fixed as fixed_lib
+from tf_gradkit.core.lm import loop_data
 from tf_gradkit.core.lm import poisson
 from tf_gradkit.core.lm import small
 from tf_gradkit.core.lm import solve_cache
@@ -493,7 +494,9 @@ def _compiled(kind, fn, options, key, jit_compile, full_output, free, function):
         def residuals_of(per_fit, shared, mask, full0):
             fns = (fn if free is None else fixed_lib.reduce_fns(
                 "fun" if kind == "fun" else "curve", fn, free, full0))
-            return _RESIDUALS[kind](fns, per_fit, shared, mask)
+            return loop_data.attach(   # carried through the compiled loop
+                _RESIDUALS[kind](fns, per_fit, shared, mask),
+                (per_fit, shared, mask, full0), lambda data: residuals_of(*data))
 
         def chunk(x0, per_fit, shared, mask, lower, upper, full0, absolute):
             residual_fn = residuals_of(per_fit, shared, mask, full0)

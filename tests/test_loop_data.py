@@ -1,0 +1,144 @@
+"""The data a compiled fit's residuals close over ride in its loop's state
+behind an XLA optimization barrier (`loop_data`, issue 39): so the P JVPs'
+copies of the model merge instead of each being hoisted apart. Checked: the
+rebuilt residuals are the same function; a compiled `curve_fit` and
+`least_squares_batched` carry their data (main loop and the compacted loop
+of the last few fits); with and without carrying, a compiled fit takes the
+same steps (the mixed ragged batch against single solves is
+tests/test_batched_least_squares.py's compiled test)."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_gradkit
+from tf_gradkit.core.lm import loop_data
+
+pytestmark = pytest.mark.keras_free
+
+LOWER = [0.0, 0.05, 0.0, 0.05, 0.0]
+UPPER = [np.inf, 50.0, np.inf, 50.0, np.inf]
+
+
+def decay_problems(batch, seed=0):
+    """Bi-exponential decays, float64, shared time bins, starts off the
+    truth (benchmarks/bounded_decay.py's case, smaller)."""
+    rng = np.random.default_rng(seed)
+    t = np.linspace(0.0, 20.0, 60)
+    truth = np.stack([rng.uniform(200, 800, batch), rng.uniform(0.5, 1.5, batch),
+                      rng.uniform(100, 400, batch), rng.uniform(4.0, 8.0, batch),
+                      rng.uniform(5, 20, batch)], 1)
+    clean = (truth[:, :1] * np.exp(-t / truth[:, 1:2])
+             + truth[:, 2:3] * np.exp(-t / truth[:, 3:4]) + truth[:, 4:5])
+    y = clean + rng.normal(0, 5.0, clean.shape)
+    return t, y, truth * rng.uniform(0.8, 1.2, truth.shape)
+
+
+def test_rebuilt_residuals_are_the_same_function():
+    """`carried` hands over the data's tensors only (None and Python values
+    stay in place) and `rebuild` of those tensors is the same residual
+    function; nothing to carry without the ability or without a tensor."""
+    t = tf.constant(np.linspace(0.0, 1.0, 7))
+    y = tf.constant(np.arange(7.0))
+
+    def residuals_of(data):
+        (times, values), missing, scale = data
+        assert missing is None and scale == 2.0
+
+        def fn(x):
+            return scale * x[:, :1] * tf.exp(-times) - values
+        return loop_data.attach(fn, data, residuals_of)
+
+    fn = residuals_of(((t, y), None, 2.0))
+    tensors, rebuild = loop_data.carried(fn)
+    assert len(tensors) == 2 and tensors[0] is t and tensors[1] is y
+    x = tf.constant([[1.5], [-2.0]], tf.float64)
+    np.testing.assert_array_equal(rebuild([t, y])(x).numpy(), fn(x).numpy())
+    doubled = rebuild([t, 2.0 * y])(x).numpy()   # it reads the tensors given
+    np.testing.assert_allclose(doubled, fn(x).numpy() - y.numpy(), rtol=1e-14)
+    assert loop_data.carried(lambda x: x) is None
+    assert loop_data.carried(loop_data.attach(lambda x: x, (None, 3.0),
+                                              lambda d: None)) is None
+
+
+def _spy(monkeypatch):
+    seen = []
+    original = loop_data.barrier
+
+    def spy(tensors):
+        seen.append([tuple(t.shape) for t in tensors])
+        return original(tensors)
+
+    monkeypatch.setattr(loop_data, "barrier", spy)
+    return seen
+
+
+def test_compiled_curve_fit_carries_its_data(monkeypatch):
+    """Under XLA both loops of a chunk (all fits, then the few left,
+    gathered: 600 fits, padded to 640, are past `batched.COMPACT_MIN_BATCH`) pass the data
+    through the barrier: the shared time bins and the per-fit ``ydata``,
+    ``sigma`` and mask of the fits each loop runs; a plain tf.function does
+    not."""
+    seen = _spy(monkeypatch)
+    t, y, p0 = decay_problems(600)
+    sigma = np.full_like(y, 5.0)
+
+    def model(t, p):   # a function of its own: traced here, with the spy
+        return (p[:, 0:1] * tf.exp(-t / p[:, 1:2]) + p[:, 2:3] * tf.exp(-t / p[:, 3:4])
+                + p[:, 4:5])
+
+    fit = tf_gradkit.curve_fit(model, t, y, p0, sigma=sigma, bounds=(LOWER, UPPER),
+                               jit_compile=True)
+    assert np.all(fit.converged.numpy())
+    shapes = {s for call in seen for s in call}
+    assert (60,) in shapes and (640, 60) in shapes, seen   # padded to 640
+    assert any(call.count((640 // 16, 60)) == 3 for call in seen), seen  # compacted
+    del seen[:]
+    tf_gradkit.curve_fit(model, t, y[:8], p0[:8], sigma=sigma[:8],
+                         bounds=(LOWER, UPPER), jit_compile=False)
+    assert seen == []
+
+
+def test_compiled_least_squares_batched_carries_its_args(monkeypatch):
+    seen = _spy(monkeypatch)
+    t, y, p0 = decay_problems(8, seed=1)
+
+    def fun(p, t, y):
+        return (p[:, 0:1] * tf.exp(-t / p[:, 1:2]) + p[:, 2:3] * tf.exp(-t / p[:, 3:4])
+                + p[:, 4:5]) - y
+
+    fit = tf_gradkit.least_squares_batched(
+        fun, p0, args=(np.broadcast_to(t, y.shape), y), bounds=(LOWER, UPPER),
+        jit_compile=True)
+    assert np.all(fit.converged.numpy())
+    assert any(call.count((8, 60)) == 2 for call in seen), seen
+
+
+def test_carried_or_not_the_same_steps(monkeypatch):
+    """With tolerances above round-off (1e-10, float64), a compiled fit
+    takes the same steps whether its data ride in the loop or not: the same
+    status and iterations for every fit, and the same solution to 1e-8 (the
+    two programs fuse differently, so they round differently)."""
+    t, y, p0 = decay_problems(64, seed=2)
+    tolerances = dict(ftol=1e-10, xtol=1e-10, gtol=1e-10)
+
+    def fit_with(barrier):
+        monkeypatch.setattr(loop_data, "_barrier", barrier)
+
+        def model(t, p):   # traced anew for each
+            return (p[:, 0:1] * tf.exp(-t / p[:, 1:2])
+                    + p[:, 2:3] * tf.exp(-t / p[:, 3:4]) + p[:, 4:5])
+        return tf_gradkit.curve_fit(model, t, y, p0, bounds=(LOWER, UPPER),
+                                    jit_compile=True, **tolerances)
+
+    seen = _spy(monkeypatch)
+    carried = fit_with(loop_data._barrier)
+    assert seen
+    del seen[:]
+    plain = fit_with(None)
+    assert seen == []
+    assert np.all(carried.converged.numpy())
+    np.testing.assert_array_equal(carried.status.numpy(), plain.status.numpy())
+    np.testing.assert_array_equal(carried.iterations.numpy(), plain.iterations.numpy())
+    np.testing.assert_allclose(carried.x.numpy(), plain.x.numpy(), rtol=1e-8)
+    np.testing.assert_allclose(carried.cost.numpy(), plain.cost.numpy(), rtol=1e-10)
