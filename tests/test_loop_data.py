@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tf_gradkit
-from tf_gradkit.core.lm import loop_data
+from tf_gradkit.core.lm import batched, loop_data, solve_cache
 
 pytestmark = pytest.mark.keras_free
 
@@ -35,29 +35,34 @@ def decay_problems(batch, seed=0):
 
 
 def test_rebuilt_residuals_are_the_same_function():
-    """`carried` hands over the data's tensors only (None and Python values
-    stay in place) and `rebuild` of those tensors is the same residual
-    function; nothing to carry without the ability or without a tensor."""
+    """`carried` hands over the data's floating-point tensors only (None,
+    Python values, integer and boolean tensors stay in place) and `rebuild`
+    of those tensors is the same residual function; nothing to carry without
+    the ability or without a floating-point tensor."""
     t = tf.constant(np.linspace(0.0, 1.0, 7))
     y = tf.constant(np.arange(7.0))
+    keep = tf.constant([True] * 6 + [False])
+    size = tf.constant(7)
 
     def residuals_of(data):
-        (times, values), missing, scale = data
-        assert missing is None and scale == 2.0
+        (times, values), missing, scale, mask, n = data
+        assert missing is None and scale == 2.0 and mask is keep and n is size
 
         def fn(x):
-            return scale * x[:, :1] * tf.exp(-times) - values
+            r = scale * x[:, :1] * tf.exp(-times) - values
+            return tf.where(mask, r, tf.zeros_like(r))
         return loop_data.attach(fn, data, residuals_of)
 
-    fn = residuals_of(((t, y), None, 2.0))
+    fn = residuals_of(((t, y), None, 2.0, keep, size))
     tensors, rebuild = loop_data.carried(fn)
     assert len(tensors) == 2 and tensors[0] is t and tensors[1] is y
     x = tf.constant([[1.5], [-2.0]], tf.float64)
     np.testing.assert_array_equal(rebuild([t, y])(x).numpy(), fn(x).numpy())
     doubled = rebuild([t, 2.0 * y])(x).numpy()   # it reads the tensors given
-    np.testing.assert_allclose(doubled, fn(x).numpy() - y.numpy(), rtol=1e-14)
+    np.testing.assert_allclose(doubled, fn(x).numpy() - np.where(keep, y, 0.0),
+                               rtol=1e-14)
     assert loop_data.carried(lambda x: x) is None
-    assert loop_data.carried(loop_data.attach(lambda x: x, (None, 3.0),
+    assert loop_data.carried(loop_data.attach(lambda x: x, (None, 3.0, keep, size),
                                               lambda d: None)) is None
 
 
@@ -75,31 +80,66 @@ def _spy(monkeypatch):
 
 def test_compiled_curve_fit_carries_its_data(monkeypatch):
     """Under XLA both loops of a chunk (all fits, then the few left,
-    gathered: 600 fits, padded to 640, are past `batched.COMPACT_MIN_BATCH`) pass the data
-    through the barrier: the shared time bins and the per-fit ``ydata``,
-    ``sigma`` and mask of the fits each loop runs; a plain tf.function does
-    not."""
+    gathered: 600 fits, padded to 640, are past `batched.COMPACT_MIN_BATCH`)
+    pass the data through the barrier: the shared time bins and the per-fit
+    ``ydata`` and ``sigma`` of the fits each loop runs (not the boolean
+    mask); the model and the user's ``jac`` read the barrier's output; a
+    plain tf.function has no barrier."""
     seen = _spy(monkeypatch)
     t, y, p0 = decay_problems(600)
     sigma = np.full_like(y, 5.0)
+    read = {"model": set(), "jac": set()}
 
     def model(t, p):   # a function of its own: traced here, with the spy
+        read["model"].add(t.op.type)
         return (p[:, 0:1] * tf.exp(-t / p[:, 1:2]) + p[:, 2:3] * tf.exp(-t / p[:, 3:4])
                 + p[:, 4:5])
 
-    fit = tf_gradkit.curve_fit(model, t, y, p0, sigma=sigma, bounds=(LOWER, UPPER),
-                               jit_compile=True)
-    assert np.all(fit.converged.numpy())
+    def jac(t, p):
+        read["jac"].add(t.op.type)
+        e1, e2 = tf.exp(-t / p[:, 1:2]), tf.exp(-t / p[:, 3:4])
+        return tf.stack([e1, p[:, 0:1] * e1 * t / p[:, 1:2] ** 2, e2,
+                         p[:, 2:3] * e2 * t / p[:, 3:4] ** 2, tf.ones_like(e1)], axis=-1)
+
+    for jacobian in (None, jac):
+        fit = tf_gradkit.curve_fit(model, t, y, p0, sigma=sigma, bounds=(LOWER, UPPER),
+                                   jit_compile=True, jac=jacobian)
+        assert np.all(fit.converged.numpy())
     shapes = {s for call in seen for s in call}
     assert (60,) in shapes and (640, 60) in shapes, seen   # padded to 640
-    assert any(call.count((640 // 16, 60)) == 3 for call in seen), seen  # compacted
+    tail = 640 // batched.COMPACT_FRACTION
+    assert any(call.count((tail, 60)) == 2 for call in seen), seen   # compacted
+    assert "XlaOptimizationBarrier" in read["model"], read
+    assert "XlaOptimizationBarrier" in read["jac"], read
     del seen[:]
     tf_gradkit.curve_fit(model, t, y[:8], p0[:8], sigma=sigma[:8],
                          bounds=(LOWER, UPPER), jit_compile=False)
     assert seen == []
 
 
+def test_integer_data_stay_constants(monkeypatch):
+    """An integer tensor in ``xdata`` that the model uses as a shape (a
+    compile-time constant to XLA) stays in the closure, not carried: the
+    fit compiles and runs."""
+    seen = _spy(monkeypatch)
+    t, y, p0 = decay_problems(8, seed=3)
+
+    def model(x, p):
+        times, n = x
+        e = (p[:, 0:1] * tf.exp(-times / p[:, 1:2])
+             + p[:, 2:3] * tf.exp(-times / p[:, 3:4]) + p[:, 4:5])
+        r = tf.reshape(e, [-1, n])   # n: a compile-time constant to XLA
+        r.set_shape(e.shape)
+        return r
+
+    fit = tf_gradkit.curve_fit(model, (t, np.int32(60)), y, p0, bounds=(LOWER, UPPER),
+                               jit_compile=True)
+    assert np.all(fit.converged.numpy())
+    assert seen and all((60,) in call and () not in call for call in seen), seen
+
+
 def test_compiled_least_squares_batched_carries_its_args(monkeypatch):
+    """`least_squares_batched`'s per-problem ``args`` ride in the loop."""
     seen = _spy(monkeypatch)
     t, y, p0 = decay_problems(8, seed=1)
 
@@ -122,10 +162,14 @@ def test_carried_or_not_the_same_steps(monkeypatch):
     t, y, p0 = decay_problems(64, seed=2)
     tolerances = dict(ftol=1e-10, xtol=1e-10, gtol=1e-10)
 
+    traces = []
+
     def fit_with(barrier):
         monkeypatch.setattr(loop_data, "_barrier", barrier)
+        solve_cache.SOLVES.clear()   # traced anew: the same model's key
 
-        def model(t, p):   # traced anew for each
+        def model(t, p):
+            traces.append(barrier)
             return (p[:, 0:1] * tf.exp(-t / p[:, 1:2])
                     + p[:, 2:3] * tf.exp(-t / p[:, 3:4]) + p[:, 4:5])
         return tf_gradkit.curve_fit(model, t, y, p0, bounds=(LOWER, UPPER),
@@ -133,10 +177,10 @@ def test_carried_or_not_the_same_steps(monkeypatch):
 
     seen = _spy(monkeypatch)
     carried = fit_with(loop_data._barrier)
-    assert seen
-    del seen[:]
+    assert seen and traces
+    del seen[:], traces[:]
     plain = fit_with(None)
-    assert seen == []
+    assert seen == [] and traces and all(b is None for b in traces)
     assert np.all(carried.converged.numpy())
     np.testing.assert_array_equal(carried.status.numpy(), plain.status.numpy())
     np.testing.assert_array_equal(carried.iterations.numpy(), plain.iterations.numpy())

@@ -174,17 +174,23 @@ class _Problems(NamedTuple):
     held: object         # (lin, x) -> lin with the bound-held parameters out
     box: object          # batched_parts.BatchedBounds or None
 
+    def with_residuals(self, residual_fn):
+        """The same problems with ``residual_fn`` (the same residuals, built
+        over other tensors: `loop_data`) and its cost."""
+        robust = self.robust
+
+        def cost_fn(x):
+            return robust.cost(residual_fn(x))
+
+        return self._replace(residual_fn=residual_fn, cost_fn=cost_fn)
+
 
 def _problems(residual_fn, counts, box, options):
-    robust = parts.BatchedRobustLoss(options.loss, counts)
-
-    def cost_fn(x):
-        return robust.cost(residual_fn(x))
-
     def held(lin, x):
         return lin if box is None else box.freeze(lin, x)
 
-    return _Problems(residual_fn, cost_fn, robust, held, box)
+    return _Problems(None, None, parts.BatchedRobustLoss(options.loss, counts), held,
+                     box).with_residuals(residual_fn)
 
 
 # When at most 1/COMPACT_FRACTION of a chunk's problems are still running
@@ -296,9 +302,7 @@ def _loop(prob, body_of, state, options, limit):
 
     def body(*args):
         data = loop_data.barrier(args[n:])
-        fn = rebuild(data)
-        this = prob._replace(residual_fn=fn,
-                             cost_fn=lambda x: prob.robust.cost(fn(x)))
+        this = prob.with_residuals(rebuild(data))
         return tuple(body_of(this)(*args[:n])) + tuple(data)
 
     out = tf.while_loop(lambda *args: cond(*args[:n]), body,

@@ -30,23 +30,37 @@ except ImportError:  # pragma: no cover - without it the data are not carried
 
 
 def attach(residual_fn, data, rebuild):
-    """Gives ``residual_fn`` the ``loop_data`` ability: ``data`` (a nest of
-    the tensors it closes over) and ``rebuild(data) -> residual_fn`` (the same
-    residuals over those tensors)."""
+    """Gives ``residual_fn`` the ``loop_data`` ability.
+
+    Args:
+      residual_fn: ``x [B, P] -> residuals [B, N]``.
+      data: a nest of what it closes over (tensors, None, Python values).
+      rebuild: ``data -> residual_fn``, the same residuals over the tensors
+        given in place of those of ``data`` (same structure).
+
+    Returns:
+      ``residual_fn``.
+    """
     residual_fn.loop_data = (data, rebuild)
     return residual_fn
 
 
 def carried(residual_fn):
-    """``(tensors, rebuild)`` for a loop to carry, or None (no ability, no
-    tensor in the data, or no barrier op): ``tensors`` the data's tensors in
-    order, ``rebuild(tensors) -> residual_fn``."""
+    """What a loop carries for ``residual_fn``.
+
+    Returns:
+      ``(tensors, rebuild)``: ``tensors`` the data's floating-point tensors
+      in order, ``rebuild(tensors) -> residual_fn`` (every other leaf as it
+      was); or None (no ability, no floating-point tensor in the data, or no
+      barrier op in this TensorFlow).
+    """
     found = getattr(residual_fn, "loop_data", None)
     if found is None or _barrier is None:
         return None
     data, rebuild = found
     leaves = tf.nest.flatten(data)
-    where = [i for i, t in enumerate(leaves) if isinstance(t, tf.Tensor)]
+    where = [i for i, t in enumerate(leaves) if isinstance(t, tf.Tensor)
+             and (t.dtype.is_floating or t.dtype.is_complex)]
     if not where:
         return None
 
