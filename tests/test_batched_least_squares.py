@@ -154,6 +154,43 @@ def test_compiled_batch_matches_single_solves():
     _check_mixed(fit, t, y, sigma, p0, lengths, rtol=1e-8, **tolerances)
 
 
+def test_no_sigma_no_mask_the_same_fits_as_ones_and_all_true():
+    """Without ``sigma`` and ``mask`` the residuals are ``f - ydata`` (no
+    array of ones to divide by, none of True to select with): the same fits
+    to the bit as ``sigma=1`` and ``mask`` all True (plain tf.function:
+    dividing by 1 and selecting everywhere are exact), with and without a
+    ``jac``; a ``sigma`` of inf drops its point as ``mask`` False does."""
+    t, y, sigma, mask, p0, _ = problems(12, 20, seed=4, ragged=False)
+    t = t[0]
+
+    def jac(t, p):
+        e = tf.exp(-p[:, 1:2] * t)
+        return tf.stack([e, -p[:, :1] * t * e, tf.ones_like(e)], axis=2)
+
+    def same(a, b):
+        for name in ("x", "cost", "covariance", "status", "iterations"):
+            np.testing.assert_array_equal(getattr(a, name).numpy(),
+                                          getattr(b, name).numpy(), err_msg=name)
+
+    for jacobian in (None, jac):
+        options = dict(bounds=(LOWER, UPPER), jit_compile=False, jac=jacobian)
+        lean = tf_gradkit.curve_fit(decay, t, y, p0, **options)
+        full = tf_gradkit.curve_fit(decay, t, y, p0, sigma=np.ones_like(y),
+                                    mask=np.ones(y.shape, bool), **options)
+        assert np.all(lean.converged.numpy())
+        same(lean, full)
+    y_bad = y.copy()
+    y_bad[:, 3] = 1e6   # an outlier at point 3 of every fit
+    by_inf = tf_gradkit.curve_fit(decay, t, y_bad, p0,
+                                  sigma=np.where(np.arange(20) == 3, np.inf, 1.0),
+                                  bounds=(LOWER, UPPER), jit_compile=False)
+    keep = np.broadcast_to(np.arange(20) != 3, y.shape)
+    by_mask = tf_gradkit.curve_fit(decay, t, y_bad, p0, mask=keep,
+                                   bounds=(LOWER, UPPER), jit_compile=False)
+    same(by_inf, by_mask)
+    assert np.all(by_inf.converged.numpy())
+
+
 def test_absolute_sigma_covariance():
     """``absolute_sigma=True``: the pseudo-inverse of J^T J, unscaled."""
     jac = tf.constant(np.diag([1.0, 2.0, 4.0])[None].repeat(2, 0))
