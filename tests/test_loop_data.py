@@ -21,17 +21,19 @@ UPPER = [np.inf, 50.0, np.inf, 50.0, np.inf]
 
 
 def decay_problems(batch, seed=0):
-    """Bi-exponential decays, float64, shared time bins, starts off the
-    truth (benchmarks/bounded_decay.py's case, smaller)."""
+    """Bi-exponential decays (amplitudes, lifetimes, offset), float64,
+    shared time bins, starts off the truth (the case of
+    benchmarks/bounded_decay.py, smaller)."""
     rng = np.random.default_rng(seed)
     t = np.linspace(0.0, 20.0, 60)
-    truth = np.stack([rng.uniform(200, 800, batch), rng.uniform(0.5, 1.5, batch),
-                      rng.uniform(100, 400, batch), rng.uniform(4.0, 8.0, batch),
-                      rng.uniform(5, 20, batch)], 1)
-    clean = (truth[:, :1] * np.exp(-t / truth[:, 1:2])
-             + truth[:, 2:3] * np.exp(-t / truth[:, 3:4]) + truth[:, 4:5])
-    y = clean + rng.normal(0, 5.0, clean.shape)
+    low, high = np.array([200, 0.5, 100, 4.0, 5]), np.array([800, 1.5, 400, 8.0, 20])
+    truth = low + (high - low) * rng.random((batch, 5))
+    y = model_np(t, truth) + rng.normal(0, 5.0, (batch, t.size))
     return t, y, truth * rng.uniform(0.8, 1.2, truth.shape)
+
+
+def model_np(t, p):
+    return sum(p[:, i:i + 1] * np.exp(-t / p[:, i + 1:i + 2]) for i in (0, 2)) + p[:, 4:]
 
 
 def test_rebuilt_residuals_are_the_same_function():
