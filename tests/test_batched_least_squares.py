@@ -191,6 +191,36 @@ def test_no_sigma_no_mask_the_same_fits_as_ones_and_all_true():
     assert np.all(by_inf.converged.numpy())
 
 
+def test_ensure_shape_in_the_model_refused_with_a_way_out():
+    """TensorFlow's forward mode cannot trace `tf.ensure_shape` in a
+    tf.function (its shape attribute): the fit is refused with a message
+    that names it and says what to do (`set_shape`, or `jac=`), and both
+    ways out fit."""
+    t, y, sigma, mask, p0, _ = problems(4, 20, seed=5, ragged=False)
+    t = t[0]
+
+    def with_ensure(t, p):
+        return tf.ensure_shape(decay(t, p), [None, 20])
+
+    def with_set_shape(t, p):
+        r = decay(t, p)
+        r.set_shape([None, 20])
+        return r
+
+    def jac(t, p):
+        e = tf.exp(-p[:, 1:2] * t)
+        return tf.stack([e, -p[:, :1] * t * e, tf.ones_like(e)], axis=2)
+
+    with pytest.raises(ValueError, match=r"tf\.ensure_shape.*set_shape.*jac="):
+        tf_gradkit.curve_fit(with_ensure, t, y, p0, jit_compile=False)
+    plain = tf_gradkit.curve_fit(decay, t, y, p0, jit_compile=False)
+    for fit in (tf_gradkit.curve_fit(with_set_shape, t, y, p0, jit_compile=False),
+                tf_gradkit.curve_fit(with_ensure, t, y, p0, jit_compile=False,
+                                     jac=jac)):
+        assert np.all(fit.converged.numpy())
+        np.testing.assert_allclose(fit.x.numpy(), plain.x.numpy(), rtol=1e-8)
+
+
 def test_absolute_sigma_covariance():
     """``absolute_sigma=True``: the pseudo-inverse of J^T J, unscaled."""
     jac = tf.constant(np.diag([1.0, 2.0, 4.0])[None].repeat(2, 0))
