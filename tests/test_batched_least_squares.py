@@ -193,9 +193,10 @@ def test_no_sigma_no_mask_the_same_fits_as_ones_and_all_true():
 
 def test_ensure_shape_in_the_model_refused_with_a_way_out():
     """TensorFlow's forward mode cannot trace `tf.ensure_shape` in a
-    tf.function (its shape attribute): the fit is refused with a message
-    that names it and says what to do (`set_shape`, or `jac=`), and both
-    ways out fit."""
+    tf.function (its shape attribute): the fit (and `least_squares`, whose
+    forward-mode Jacobian shares `linearize.forward_mode_errors`) is refused
+    with a message that names it and says what to do (`set_shape`, or
+    `jac=`), and both ways out fit."""
     t, y, sigma, mask, p0, _ = problems(4, 20, seed=5, ragged=False)
     t = t[0]
 
@@ -213,6 +214,10 @@ def test_ensure_shape_in_the_model_refused_with_a_way_out():
 
     with pytest.raises(ValueError, match=r"tf\.ensure_shape.*set_shape.*jac="):
         tf_gradkit.curve_fit(with_ensure, t, y, p0, jit_compile=False)
+    var = tf.Variable(p0[0])   # least_squares' forward-mode Jacobian too
+    with pytest.raises(ValueError, match=r"tf\.ensure_shape.*set_shape"):
+        tf_gradkit.least_squares(lambda: with_ensure(t, var[None])[0] - y[0], [var])
+    np.testing.assert_array_equal(var.numpy(), p0[0])   # nothing moved
     plain = tf_gradkit.curve_fit(decay, t, y, p0, jit_compile=False)
     for fit in (tf_gradkit.curve_fit(with_set_shape, t, y, p0, jit_compile=False),
                 tf_gradkit.curve_fit(with_ensure, t, y, p0, jit_compile=False,

@@ -25,6 +25,7 @@ from tf_gradkit.core import spd
 from tf_gradkit.core.lm import bounds as bounds_lib
 from tf_gradkit.core.lm import damping as damping_lib
 from tf_gradkit.core.lm import fit_report
+from tf_gradkit.core.lm import linearize
 from tf_gradkit.core.lm import robust as robust_lib
 from tf_gradkit.core.lm import small
 
@@ -73,7 +74,8 @@ def jacobian(residual_fn, x):
             r = residual_fn(x)
         return acc.jvp(r, unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
-    columns = tf.vectorized_map(column, tf.eye(p, dtype=x.dtype))
+    with linearize.forward_mode_errors():
+        columns = tf.vectorized_map(column, tf.eye(p, dtype=x.dtype))
     return residual_fn(x), tf.transpose(columns, [1, 2, 0])
 
 

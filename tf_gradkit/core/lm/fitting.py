@@ -321,8 +321,9 @@ def curve_fit(f, xdata, ydata, p0, sigma=None, bounds=(-np.inf, np.inf),
         sigma = tf.broadcast_to(tf.cast(sigma, dtype), [batch, n])
     if mask is not None:
         mask = _mask(mask, batch, n, "mask")
-    if sigma is not None and bool(tf.reduce_any(tf.math.is_inf(sigma))):
-        mask = ~tf.math.is_inf(sigma) if mask is None else mask & ~tf.math.is_inf(sigma)
+    if sigma is not None and np.any(np.isinf(sigma)):   # an inf sigma drops its point
+        finite = ~tf.math.is_inf(sigma)
+        mask = finite if mask is None else mask & finite
     per_fit = (xdata, ydata, sigma) if xdata_per_fit else ((), ydata, sigma)
     shared = () if xdata_per_fit else (xdata,)
     result = _solve("curve" if estimator == "lse" else "curve_mle", (f, jac), p0,

@@ -18,6 +18,7 @@ Two ways to linearise:
   by benchmarks/lm_memory.py: docs/levenberg_marquardt.md, "Memory").
 """
 
+import contextlib
 from typing import NamedTuple
 
 import tensorflow as tf
@@ -114,6 +115,32 @@ def residuals_and_jacobian(residual_fn, variables, dtype, mode="auto",
     return tf.cast(residuals, dtype), on_support(jacobian, support)
 
 
+# TensorFlow 2.21's forward mode inside a tf.function fails on an op whose
+# attribute is a shape (`tf.ensure_shape`): its per-op JVP function cannot
+# be keyed on that attribute, and the error names neither the op nor a way
+# out. Every forward-mode Jacobian here runs under `forward_mode_errors`.
+FORWARD_MODE_BUG = "Could not generate a generic TraceType"
+FORWARD_MODE_TEXT = (
+    "The residuals' Jacobian by forward-mode differentiation failed: in a "
+    "tf.function, TensorFlow's tf.autodiff.ForwardAccumulator cannot trace an op "
+    "whose attribute is a shape (`tf.ensure_shape` is one). Give the tensor its "
+    "static shape with `tensor.set_shape(...)` instead (`curve_fit` and "
+    "`least_squares_batched` also take the Jacobian as `jac=`).")
+
+
+@contextlib.contextmanager
+def forward_mode_errors():
+    """Re-raises TensorFlow's forward-mode tracing failure on a shape
+    attribute (`FORWARD_MODE_BUG`) as a ValueError that says what to do;
+    any other error passes unchanged."""
+    try:
+        yield
+    except (TypeError, ValueError) as error:
+        if FORWARD_MODE_BUG not in str(error):
+            raise
+        raise ValueError(f"{FORWARD_MODE_TEXT} Received: {error}") from error
+
+
 def _forward_jacobian(residual_fn, variables, num_params, dtype, support=None):
     def jvp(tangent):
         tangents = unflatten(tangent, variables)
@@ -128,7 +155,8 @@ def _forward_jacobian(residual_fn, variables, num_params, dtype, support=None):
         basis = tf.one_hot(support.indices, num_params,
                            dtype=variables[0].dtype) * tf.cast(
                                support.valid, variables[0].dtype)[:, None]
-    return tf.transpose(tf.vectorized_map(jvp, basis))
+    with forward_mode_errors():
+        return tf.transpose(tf.vectorized_map(jvp, basis))
 
 
 def on_support(jacobian, support):
@@ -226,7 +254,7 @@ def linearize_matrix_free(residual_fn, variables, dtype):
         current = [tf.identity(var) for var in variables]
         for var, value in zip(variables, anchor):
             var.assign(value)
-        with tf.GradientTape() as back:
+        with tf.GradientTape() as back, forward_mode_errors():
             with tf.autodiff.ForwardAccumulator(variables, tangents) as acc:
                 r = tf.reshape(residual_fn(), [-1])
             jv = acc.jvp(r, unconnected_gradients=tf.UnconnectedGradients.ZERO)

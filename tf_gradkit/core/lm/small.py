@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from tf_gradkit.core import spd
 from tf_gradkit.core.lm import fit_report
+from tf_gradkit.core.lm import linearize
 
 # Up to this many parameters the Jacobian is formed by columns and J^T J by
 # elementwise sums (P(P+1)/2 + P of them: 65 at P = 10). Above, the batched
@@ -33,18 +34,6 @@ def by_columns(p):
     """Whether a linearisation of ``p`` parameters (static) traced here runs
     by columns: few parameters, under XLA."""
     return p is not None and p <= COLUMNS_MAX_PARAMS and spd._in_xla()
-
-
-# TensorFlow 2.21's forward mode inside a tf.function fails on an op whose
-# attribute is a shape (`tf.ensure_shape`): its per-op JVP function cannot
-# be keyed on that attribute. The error names neither the op nor a way out.
-FORWARD_MODE_BUG = "Could not generate a generic TraceType"
-FORWARD_MODE_TEXT = (
-    "The residuals' Jacobian by forward-mode differentiation failed: in a "
-    "tf.function, TensorFlow's tf.autodiff.ForwardAccumulator cannot trace an op "
-    "whose attribute is a shape (`tf.ensure_shape` is one). Give the tensor its "
-    "static shape with `tensor.set_shape(...)` instead, or pass the Jacobian as "
-    "`jac=`.")
 
 
 def jacobian_columns(residual_fn, x):
@@ -65,12 +54,8 @@ def jacobian_columns(residual_fn, x):
     columns, residuals = [], None
     for j in range(p):
         tangent = tf.one_hot(tf.fill(tf.shape(x)[:1], j), p, dtype=x.dtype)
-        try:
+        with linearize.forward_mode_errors():
             r, column = jvp(x, tangent)
-        except (TypeError, ValueError) as error:
-            if FORWARD_MODE_BUG not in str(error):
-                raise
-            raise ValueError(FORWARD_MODE_TEXT + f" Received: {error}") from error
         if residuals is None:
             residuals = r
         columns.append(column)
