@@ -22,6 +22,7 @@ from tf_gradkit.core.lm import batched_parts
 from tf_gradkit.core.lm import damping as damping_lib
 from tf_gradkit.core.lm import fit_report
 from tf_gradkit.core.lm import fixed as fixed_lib
+from tf_gradkit.core.lm import in_flight
 from tf_gradkit.core.lm import loop_data
 from tf_gradkit.core.lm import poisson
 from tf_gradkit.core.lm import small
@@ -594,28 +595,20 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
     solve = _compiled(kind, fn, options, key, jit_compile, full_output, free, function)
     # "auto" chose XLA: a function XLA cannot compile runs plain instead.
     may_fall_back = given is not None and jit_compile
-    outputs = []
     bar = _Progress(batch, name) if progress else None
-    for start in range(0, batch, size):
-        stop = min(start + size, batch)
 
-        def take(t, start=start, stop=stop):
-            return None if t is None else _pad(t[start:stop], size)
+    def args_at(start):
+        def take(t):
+            return None if t is None else _pad(t[start:start + size], size)
 
-        args = (take(x0), tf.nest.map_structure(take, per_fit), shared,
+        return (take(x0), tf.nest.map_structure(take, per_fit), shared,
                 None if mask is None else take(mask),
                 None if lower is None else take(lower),
                 None if upper is None else take(upper),
                 take(full0) if free is not None else None, bool(absolute))
-        if may_fall_back:
-            may_fall_back = False
-            (out, counts, proven), plain = solve_cache.xla_or_plain(
-                solve, lambda: _compiled(kind, fn, options, key, False, full_output,
-                                         free, function),
-                args, name, given, stacklevel=4)   # the user's curve_fit
-            solve = plain or solve
-        else:
-            out, counts, proven = solve(*args)
+
+    def finish(start, solved):   # the covariance; the padding dropped
+        out, counts, proven = solved
         if proven is not None and bool(tf.reduce_all(proven[1])):
             cov = proven[0]   # every factor finite and of full rank
         else:
@@ -624,11 +617,27 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
                 tf.where(finite[:, None, None], out.factor, tf.zeros_like(out.factor)),
                 out.cost, counts, absolute, proven)
             cov = tf.where(finite[:, None, None], cov, tf.constant(np.nan, dtype))
-        keep = stop - start
-        outputs.append((out, cov) if keep == size else tf.nest.map_structure(
-            lambda t, keep=keep: None if t is None else t[:keep], (out, cov)))
+        keep = min(size, batch - start)
+        return (out, cov) if keep == size else tf.nest.map_structure(
+            lambda t: None if t is None else t[:keep], (out, cov))
+
+    def done(start):
         if bar is not None:
-            bar.update(stop)
+            bar.update(min(start + size, batch))
+
+    # The first chunk alone (it traces and compiles, and may fall back).
+    if may_fall_back:
+        solved, plain = solve_cache.xla_or_plain(
+            solve, lambda: _compiled(kind, fn, options, key, False, full_output,
+                                     free, function),
+            args_at(0), name, given, stacklevel=4)   # the user's curve_fit
+        solve = plain or solve
+    else:
+        solved = solve(*args_at(0))
+    outputs = [finish(0, solved)]
+    done(0)
+    outputs += in_flight.run(lambda start: finish(start, solve(*args_at(start))),
+                             range(size, batch, size), done)
     if given is not None:   # counted once the fits ran
         given[0] += batch
     solutions = [o[0] for o in outputs]
