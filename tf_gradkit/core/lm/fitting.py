@@ -578,6 +578,7 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
             batch_size, (int, np.integer)) or batch_size < 1):
         raise ValueError(f"{name}: `batch_size` must be an integer >= 1 or None. "
                          f"Received: batch_size={batch_size!r}")
+    n_points = None   # (unknown for `fun` with a batch_size and no mask)
     if mask is not None:
         n_points = int(mask.shape[1])
     elif kind != "fun":   # curve_fit: N from ydata
@@ -636,8 +637,11 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
         solved = solve(*args_at(0))
     outputs = [finish(0, solved)]
     done(0)
+    if n_points is None and batch > size:   # each problem's residuals, none masked
+        n_points = int(tf.reduce_max(solved[1]))
     outputs += in_flight.run(lambda start: finish(start, solve(*args_at(start))),
-                             range(size, batch, size), done)
+                             range(size, batch, size), done,
+                             chunk_bytes=size * n_points * int(x0.shape[1]) * dtype.size)
     if given is not None:   # counted once the fits ran
         given[0] += batch
     solutions = [o[0] for o in outputs]
