@@ -191,12 +191,15 @@ def test_no_sigma_no_mask_the_same_fits_as_ones_and_all_true():
     assert np.all(by_inf.converged.numpy())
 
 
-def test_ensure_shape_in_the_model_refused_with_a_way_out():
+def test_ensure_shape_in_the_model_fits_by_reverse_mode():
     """TensorFlow's forward mode cannot trace `tf.ensure_shape` in a
-    tf.function (its shape attribute): the fit (and `least_squares`, whose
-    forward-mode Jacobian shares `linearize.forward_mode_errors`) is refused
-    with a message that names it and says what to do (`set_shape`, or
-    `jac=`), and both ways out fit."""
+    tf.function (its shape attribute): the Jacobian is then taken by reverse
+    mode (`linearize.forward_or_reverse`), with a warning that says why and
+    how to keep forward mode. The fits are those of the same model with
+    `set_shape` (forward mode): in `curve_fit` plain and compiled (the
+    columns of `small.jacobian_columns`), with more than 10 parameters (the
+    vectorised path) and in `least_squares`. A matrix-free solver, which
+    needs forward mode, is refused with what to do, nothing moved."""
     t, y, sigma, mask, p0, _ = problems(4, 20, seed=5, ragged=False)
     t = t[0]
 
@@ -208,23 +211,41 @@ def test_ensure_shape_in_the_model_refused_with_a_way_out():
         r.set_shape([None, 20])
         return r
 
-    def jac(t, p):
-        e = tf.exp(-p[:, 1:2] * t)
-        return tf.stack([e, -p[:, :1] * t * e, tf.ones_like(e)], axis=2)
+    def close(a, b):   # forward and reverse mode round differently
+        np.testing.assert_allclose(a.x.numpy(), b.x.numpy(), rtol=1e-9, atol=1e-12)
+        np.testing.assert_array_equal(a.status.numpy(), b.status.numpy())
 
-    with pytest.raises(ValueError, match=r"tf\.ensure_shape.*set_shape.*jac="):
-        tf_gradkit.curve_fit(with_ensure, t, y, p0, jit_compile=False)
-    var = tf.Variable(p0[0])   # least_squares' forward-mode Jacobian too
-    with pytest.raises(ValueError, match=r"tf\.ensure_shape.*set_shape"):
-        tf_gradkit.least_squares(lambda: with_ensure(t, var[None])[0] - y[0], [var])
-    np.testing.assert_array_equal(var.numpy(), p0[0])   # nothing moved
-    plain = tf_gradkit.curve_fit(decay, t, y, p0, jit_compile=False)
-    for fit in (tf_gradkit.curve_fit(with_set_shape, t, y, p0, jit_compile=False),
-                tf_gradkit.curve_fit(with_ensure, t, y, p0, jit_compile=False,
-                                     jac=jac)):
+    for jit_compile in (False, True):
+        with pytest.warns(UserWarning, match=r"reverse-mode.*tf\.ensure_shape.*set_shape"):
+            fit = tf_gradkit.curve_fit(with_ensure, t, y, p0, jit_compile=jit_compile)
+        close(fit, tf_gradkit.curve_fit(with_set_shape, t, y, p0, jit_compile=jit_compile))
         assert np.all(fit.converged.numpy())
-        np.testing.assert_allclose(fit.x.numpy(), plain.x.numpy(), rtol=1e-8)
 
+    basis = tf.constant(0.1 * np.sin(np.arange(1, 10)[:, None] * t[None]))
+
+    def wide(model):   # 12 parameters: the vectorised path
+        return lambda t, p: model(t, p[:, :3]) + tf.reduce_sum(
+            p[:, 3:, None] * basis, axis=1)
+    p12 = np.concatenate([p0, np.full((4, 9), 0.1)], axis=1)
+    tight = dict(ftol=1e-15, xtol=1e-15, gtol=1e-15, jit_compile=False)
+    with pytest.warns(UserWarning, match="reverse-mode"):   # both at the minimum
+        fit = tf_gradkit.curve_fit(wide(with_ensure), t, y, p12, **tight)
+    ref = tf_gradkit.curve_fit(wide(with_set_shape), t, y, p12, **tight)
+    np.testing.assert_allclose(fit.x.numpy(), ref.x.numpy(), rtol=1e-7, atol=1e-9)
+    np.testing.assert_allclose(fit.cost.numpy(), ref.cost.numpy(), rtol=1e-10, atol=1e-20)
+
+    def least_squares(model, **options):
+        var = tf.Variable(p0[0])
+        out = tf_gradkit.least_squares(lambda: model(t, var[None])[0] - y[0], [var],
+                                       **options)
+        return out, var
+    with pytest.warns(UserWarning, match="reverse-mode"):
+        (out, var), (ref, ref_var) = least_squares(with_ensure), least_squares(
+            with_set_shape)
+    np.testing.assert_allclose(var.numpy(), ref_var.numpy(), rtol=1e-9)
+    assert bool(out.converged) and int(out.iterations) == int(ref.iterations)
+    with pytest.raises(ValueError, match=r"tf\.ensure_shape.*set_shape"):
+        least_squares(with_ensure, solver="cg", scaling="levenberg")
 
 def test_absolute_sigma_covariance():
     """``absolute_sigma=True``: the pseudo-inverse of J^T J, unscaled."""

@@ -74,9 +74,12 @@ def jacobian(residual_fn, x):
             r = residual_fn(x)
         return acc.jvp(r, unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
-    with linearize.forward_mode_errors():
+    def forward():
         columns = tf.vectorized_map(column, tf.eye(p, dtype=x.dtype))
-    return residual_fn(x), tf.transpose(columns, [1, 2, 0])
+        return residual_fn(x), tf.transpose(columns, [1, 2, 0])
+
+    return linearize.forward_or_reverse(
+        forward, lambda: small.reverse_jacobian(residual_fn, x))
 
 
 def normal_equations(jac, residuals):

@@ -19,6 +19,7 @@ Two ways to linearise:
 """
 
 import contextlib
+import warnings
 from typing import NamedTuple
 
 import tensorflow as tf
@@ -95,30 +96,37 @@ def residuals_and_jacobian(residual_fn, variables, dtype, mode="auto",
                          f"Received: jacobian_mode={mode!r}")
     num_params = sum(v.shape.num_elements() for v in variables)
     columns = num_params if support is None else support.size
+
+    def reverse():
+        with tf.GradientTape() as tape:
+            # Tensors (not variables) are differentiated too when watched
+            # (`tf_gradkit.gradients.jacobian` of intermediate activations).
+            tape.watch([v for v in variables if not isinstance(v, tf.Variable)])
+            residuals = tf.reshape(residual_fn(), [-1])
+        jac = tape.jacobian(residuals, variables,
+                            unconnected_gradients=tf.UnconnectedGradients.ZERO,
+                            experimental_use_pfor=True)
+        n = tf.shape(residuals)[0]
+        jacobian = tf.concat([tf.cast(tf.reshape(j, [n, -1]), dtype) for j in jac],
+                             axis=1)
+        return tf.cast(residuals, dtype), on_support(jacobian, support)
+
     if mode != "reverse":
         residuals = tf.reshape(residual_fn(), [-1])
         n = residuals.shape[0]
         if mode == "forward" or n is None or n >= columns:
-            return tf.cast(residuals, dtype), _forward_jacobian(
-                residual_fn, variables, num_params, dtype, support)
-    with tf.GradientTape() as tape:
-        # Tensors (not variables) are differentiated too when watched
-        # (`tf_gradkit.gradients.jacobian` of intermediate activations).
-        tape.watch([v for v in variables if not isinstance(v, tf.Variable)])
-        residuals = tf.reshape(residual_fn(), [-1])
-    jac = tape.jacobian(residuals, variables,
-                        unconnected_gradients=tf.UnconnectedGradients.ZERO,
-                        experimental_use_pfor=True)
-    n = tf.shape(residuals)[0]
-    jacobian = tf.concat([tf.cast(tf.reshape(j, [n, -1]), dtype) for j in jac],
-                         axis=1)
-    return tf.cast(residuals, dtype), on_support(jacobian, support)
+            return forward_or_reverse(lambda: (tf.cast(residuals, dtype), _forward_jacobian(
+                residual_fn, variables, num_params, dtype, support)), reverse)
+    return reverse()
 
 
 # TensorFlow 2.21's forward mode inside a tf.function fails on an op whose
 # attribute is a shape (`tf.ensure_shape`): its per-op JVP function cannot
 # be keyed on that attribute, and the error names neither the op nor a way
-# out. Every forward-mode Jacobian here runs under `forward_mode_errors`.
+# out. A Jacobian formed whole then comes from reverse mode instead
+# (`forward_or_reverse`: the same Jacobian); where only forward mode will do
+# (the matrix-free products of `linearize_matrix_free`) the error is
+# explained (`forward_mode_errors`).
 FORWARD_MODE_BUG = "Could not generate a generic TraceType"
 FORWARD_MODE_TEXT = (
     "The residuals' Jacobian by forward-mode differentiation failed: in a "
@@ -126,6 +134,27 @@ FORWARD_MODE_TEXT = (
     "whose attribute is a shape (`tf.ensure_shape` is one). Give the tensor its "
     "static shape with `tensor.set_shape(...)` instead (`curve_fit` and "
     "`least_squares_batched` also take the Jacobian as `jac=`).")
+REVERSE_INSTEAD_TEXT = (
+    "The residuals' Jacobian is taken by reverse-mode differentiation instead of "
+    "forward mode: in a tf.function, TensorFlow's tf.autodiff.ForwardAccumulator "
+    "cannot trace an op whose attribute is a shape (`tf.ensure_shape` is one). It "
+    "is the same Jacobian, at the cost of a backward pass per residual "
+    "(vectorised); `tensor.set_shape(...)` instead of `tf.ensure_shape` keeps "
+    "forward mode.")
+
+
+def forward_or_reverse(forward, reverse):
+    """``forward()``; where TensorFlow's forward mode fails to trace an op
+    with a shape attribute (`FORWARD_MODE_BUG`), ``reverse()`` (the same
+    Jacobian by reverse mode), with a warning that says why and how to keep
+    forward mode. Any other error passes unchanged."""
+    try:
+        return forward()
+    except (TypeError, ValueError) as error:
+        if FORWARD_MODE_BUG not in str(error):
+            raise
+    warnings.warn(REVERSE_INSTEAD_TEXT, stacklevel=2)
+    return reverse()
 
 
 @contextlib.contextmanager
@@ -155,8 +184,7 @@ def _forward_jacobian(residual_fn, variables, num_params, dtype, support=None):
         basis = tf.one_hot(support.indices, num_params,
                            dtype=variables[0].dtype) * tf.cast(
                                support.valid, variables[0].dtype)[:, None]
-    with forward_mode_errors():
-        return tf.transpose(tf.vectorized_map(jvp, basis))
+    return tf.transpose(tf.vectorized_map(jvp, basis))
 
 
 def on_support(jacobian, support):

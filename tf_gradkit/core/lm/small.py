@@ -51,15 +51,34 @@ def jacobian_columns(residual_fn, x):
         return r, acc.jvp(r, unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
     jvp = tf.function(jvp, autograph=False)
-    columns, residuals = [], None
-    for j in range(p):
-        tangent = tf.one_hot(tf.fill(tf.shape(x)[:1], j), p, dtype=x.dtype)
-        with linearize.forward_mode_errors():
+
+    def forward():
+        columns, residuals = [], None
+        for j in range(p):
+            tangent = tf.one_hot(tf.fill(tf.shape(x)[:1], j), p, dtype=x.dtype)
             r, column = jvp(x, tangent)
-        if residuals is None:
-            residuals = r
-        columns.append(column)
-    return residuals, columns
+            if residuals is None:
+                residuals = r
+            columns.append(column)
+        return residuals, columns
+
+    def reverse():
+        residuals, jac = reverse_jacobian(residual_fn, x)
+        return residuals, tf.unstack(jac, num=p, axis=-1)
+
+    return linearize.forward_or_reverse(forward, reverse)
+
+
+def reverse_jacobian(residual_fn, x):
+    """``(residual_fn(x) [B, N], J [B, N, P])`` by reverse mode, one
+    vectorised backward pass per residual (`batch_jacobian`: each row of
+    the residuals depends on its own row of ``x``): where forward mode
+    cannot trace the model (`linearize.forward_or_reverse`)."""
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        residuals = residual_fn(x)
+    return residuals, tape.batch_jacobian(
+        residuals, x, unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
 
 # Under XLA a sum over more than this many points is taken in blocks
