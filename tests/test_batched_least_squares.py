@@ -191,6 +191,27 @@ def test_no_sigma_no_mask_the_same_fits_as_ones_and_all_true():
     assert np.all(by_inf.converged.numpy())
 
 
+def test_refused_inside_a_tf_function():
+    """`curve_fit` and `least_squares_batched` compile and run their chunks
+    themselves and read results between them: traced into a user's
+    tf.function they are refused, naming what to do (it used to fail with
+    TensorFlow's "symbolic tf.Tensor as a Python bool")."""
+    t, y, sigma, mask, p0, _ = problems(2, 20, seed=5, ragged=False)
+
+    @tf.function(autograph=False)
+    def fit():
+        return tf_gradkit.curve_fit(decay, t[0], y, p0).x
+
+    @tf.function(autograph=False)
+    def batched():
+        return tf_gradkit.least_squares_batched(
+            lambda p, yb: decay(t[0], p) - yb, p0, args=(y,)).x
+
+    for call, name in ((fit, "curve_fit"), (batched, "least_squares_batched")):
+        with pytest.raises(RuntimeError, match=name + r" runs eagerly.*outside the tf\.function"):
+            call()
+
+
 def test_ensure_shape_in_the_model_fits_by_reverse_mode():
     """TensorFlow's forward mode cannot trace `tf.ensure_shape` in a
     tf.function (its shape attribute): the Jacobian is then taken by reverse

@@ -1,8 +1,8 @@
 """Two chunks of a batched fit in flight at once on a CPU (`in_flight`,
 issue 39): each chunk's result is the one it has alone, the chunks really
 overlap, the caller's device scope goes with them, and where a second
-thread would change what runs (a tape, op callbacks, a strategy, a graph
-being built, functions run eagerly), where chunks are too large (a
+thread would change what runs (a tape, op callbacks, a strategy,
+functions run eagerly), where chunks are too large (a
 `batch_size` chosen for memory) or too small, or where no thread can
 start, they run one at a time."""
 
@@ -106,8 +106,8 @@ def test_an_error_in_a_chunk_is_raised_as_it_is():
 def test_one_at_a_time_where_a_second_thread_would_change_what_runs():
     """A tape or accumulator (per thread: it would miss the second chunk's
     ops), op callbacks (check_numerics: per thread), a strategy's scope
-    (per thread: the second thread would trace again outside it), a graph
-    being built, `run_functions_eagerly` (the user's model in two threads),
+    (per thread: the second thread would trace again outside it),
+    `run_functions_eagerly` (the user's model in two threads),
     a single chunk, chunks above `MAX_CHUNK_BYTES` (two would need twice
     the memory a `batch_size` was chosen for) or under `MIN_CHUNK_BYTES`
     keep one chunk at a time."""
@@ -127,10 +127,6 @@ def test_one_at_a_time_where_a_second_thread_would_change_what_runs():
         tf.debugging.disable_check_numerics()
     assert in_flight.width(3) == 2
 
-    @tf.function(autograph=False)
-    def graph():
-        return tf.constant(in_flight.width(3))
-    assert int(graph()) == 1
     tf.config.run_functions_eagerly(True)
     try:
         assert in_flight.width(3) == 1
@@ -190,3 +186,7 @@ def test_least_squares_batched_with_a_batch_size_and_no_mask_runs_two(monkeypatc
                                            jit_compile=False)
     np.testing.assert_array_equal(one.x.numpy(), two.x.numpy())
     np.testing.assert_array_equal(one.status.numpy(), two.status.numpy())
+    # One chunk (batch_size above the batch, N never needed): no thread.
+    whole = tf_gradkit.least_squares_batched(fun, p0[:100], args=(y[:100],),
+                                             batch_size=4096, jit_compile=False)
+    assert started == [1] and np.all(whole.converged.numpy())

@@ -184,6 +184,7 @@ def least_squares_batched(fun, x0, args=(), *, mask=None, bounds=None,
       ValueError: a shape or an option that does not fit, naming it, before
         anything runs.
     """
+    _check_eager("least_squares_batched")
     x0, dtype = _parameters(x0, "x0")
     batch = int(x0.shape[0])
     if not isinstance(args, (tuple, list)):
@@ -271,6 +272,7 @@ def curve_fit(f, xdata, ydata, p0, sigma=None, bounds=(-np.inf, np.inf),
                               "ftol", "max_attempts", "jit_compile", "jac"}
     if unknown:
         raise TypeError(f"curve_fit: unexpected keyword arguments {sorted(unknown)}.")
+    _check_eager("curve_fit")
     jit_compile = options.pop("jit_compile", "auto")
     jac = options.pop("jac", None)
     _check_curve_inputs(xdata, ydata, p0)
@@ -637,11 +639,12 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
         solved = solve(*args_at(0))
     outputs = [finish(0, solved)]
     done(0)
-    if n_points is None and batch > size:   # each problem's residuals, none masked
-        n_points = int(tf.reduce_max(solved[1]))
-    outputs += in_flight.run(lambda start: finish(start, solve(*args_at(start))),
-                             range(size, batch, size), done,
-                             chunk_bytes=size * n_points * int(x0.shape[1]) * dtype.size)
+    if batch > size:   # the other chunks, two at a time where that changes nothing
+        if n_points is None:   # each problem's count of residuals, none masked
+            n_points = int(tf.reduce_max(solved[1]))
+        outputs += in_flight.run(
+            lambda start: finish(start, solve(*args_at(start))), range(size, batch, size),
+            done, chunk_bytes=size * n_points * int(x0.shape[1]) * dtype.size)
     if given is not None:   # counted once the fits ran
         given[0] += batch
     solutions = [o[0] for o in outputs]
@@ -659,6 +662,18 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
         stationarity=sol.stationarity, damping=sol.damping, grad=sol.grad,
         active_mask=sol.active_mask, fun=sol.fun, jac=sol.jac,
         undetermined=fit_report.undetermined(cov), stopped_by=sol.stopped_by)
+
+
+def _check_eager(name):
+    """Refused while a graph is built (inside a user's ``tf.function``): the
+    call compiles and runs its chunks itself, and reads their results on the
+    host between them (the covariance's test, the chunks' sizes)."""
+    if not tf.executing_eagerly():
+        raise RuntimeError(
+            f"{name} runs eagerly: it compiles each chunk of the fits itself "
+            "(`jit_compile`) and reads their results between chunks, so it cannot "
+            "be traced into a tf.function. Call it outside the tf.function, with "
+            "the data as arrays or eager tensors.")
 
 
 def _check_jit_compile(jit_compile, name):

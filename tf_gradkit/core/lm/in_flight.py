@@ -14,8 +14,8 @@ benchmarks/cpufit_side_by_side.py's). Four in flight were no faster.
 Each chunk's result is the one it has alone (the same compiled program on
 the same inputs; tested bit for bit). Only where that is all that changes,
 so one at a time:
-- while a graph is built, or under `tf.config.run_functions_eagerly` (the
-  user's model would run in two threads);
+- under `tf.config.run_functions_eagerly` (the user's model would run in
+  two threads); its callers run eagerly (`fitting` refuses a graph);
 - under a tape or accumulator, op callbacks (`tf.debugging.
   enable_check_numerics`, tfdbg) or a `tf.distribute` strategy: each is
   per thread, so the second thread's chunks would go unrecorded, unchecked
@@ -50,7 +50,7 @@ def width(chunks, chunk_bytes=MAX_CHUNK_BYTES):
         return 1
     if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
         return 1
-    if not tf.executing_eagerly() or tf.config.functions_run_eagerly():
+    if tf.config.functions_run_eagerly():
         return 1
     if (record.could_possibly_record() or context.context().op_callbacks
             or tf.distribute.has_strategy()):   # per thread: see the docstring

@@ -129,11 +129,12 @@ def residuals_and_jacobian(residual_fn, variables, dtype, mode="auto",
 # explained (`forward_mode_errors`).
 FORWARD_MODE_BUG = "Could not generate a generic TraceType"
 FORWARD_MODE_TEXT = (
-    "The residuals' Jacobian by forward-mode differentiation failed: in a "
-    "tf.function, TensorFlow's tf.autodiff.ForwardAccumulator cannot trace an op "
-    "whose attribute is a shape (`tf.ensure_shape` is one). Give the tensor its "
-    "static shape with `tensor.set_shape(...)` instead (`curve_fit` and "
-    "`least_squares_batched` also take the Jacobian as `jac=`).")
+    "A matrix-free step (solver='cg') needs the residuals' products by forward-mode "
+    "differentiation, and in a tf.function TensorFlow's "
+    "tf.autodiff.ForwardAccumulator cannot trace an op whose attribute is a shape "
+    "(`tf.ensure_shape` is one). Give the tensor its static shape with "
+    "`tensor.set_shape(...)` instead, or use a solver that forms the Jacobian "
+    "(solver='cholesky' or 'qr'), which falls back to reverse mode.")
 REVERSE_INSTEAD_TEXT = (
     "The residuals' Jacobian is taken by reverse-mode differentiation instead of "
     "forward mode: in a tf.function, TensorFlow's tf.autodiff.ForwardAccumulator "
@@ -151,10 +152,16 @@ def forward_or_reverse(forward, reverse):
     try:
         return forward()
     except (TypeError, ValueError) as error:
-        if FORWARD_MODE_BUG not in str(error):
+        if not _forward_mode_bug(error):
             raise
     warnings.warn(REVERSE_INSTEAD_TEXT, stacklevel=2)
     return reverse()
+
+
+def _forward_mode_bug(error):
+    """Whether ``error`` is TensorFlow's forward-mode tracing failure on a
+    shape attribute (`FORWARD_MODE_BUG`)."""
+    return FORWARD_MODE_BUG in str(error)
 
 
 @contextlib.contextmanager
@@ -165,7 +172,7 @@ def forward_mode_errors():
     try:
         yield
     except (TypeError, ValueError) as error:
-        if FORWARD_MODE_BUG not in str(error):
+        if not _forward_mode_bug(error):
             raise
         raise ValueError(f"{FORWARD_MODE_TEXT} Received: {error}") from error
 
