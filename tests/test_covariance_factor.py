@@ -136,12 +136,13 @@ def test_curve_fit_covariance_under_xla_matches_the_plain_engine():
     assert np.all(fit.undetermined.numpy()) and np.all(np.isinf(fit.covariance.numpy()))
 
 
-@pytest.mark.parametrize("n", [1, 25, 32, 33, 100, 225, 1000, 2047, 5000])
+@pytest.mark.parametrize("n", [1, 25, 32, 33, 100, 225, 400, 513, 1000, 2047, 5000])
 def test_point_sum_is_the_sum_over_points(n):
     """`small.point_sum` under XLA (slices of at most 32 points up to 1,024
-    points, at most 32 slices beyond, a remainder apart: 33 = 2 x 16 + 1,
-    225 = 8 x 28 + 1, 1000 = 32 x 31 + 8, 2047 = 32 x 63 + 31, 5000 =
-    32 x 156 + 8) equals
+    points, at most 32 slices beyond, 16 wide where equal slices would leave
+    points over up to 512 points, a remainder apart: 33 = 2 x 16 + 1,
+    100 = 4 x 25, 225 = 14 x 16 + 1, 400 = 25 x 16, 513 = 17 x 30 + 3,
+    1000 = 32 x 31 + 8, 2047 = 32 x 63 + 31, 5000 = 32 x 156 + 8) equals
     ``reduce_sum`` to float64 round-off (n eps of the sum of |t|); outside
     XLA it is ``reduce_sum`` itself, bit for bit."""
     rng = np.random.default_rng(n)

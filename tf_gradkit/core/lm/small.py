@@ -89,21 +89,35 @@ def reverse_jacobian(residual_fn, x):
 # points) that made the linearisation's 26 sums 1.8x slower than block sums
 # of elementwise slices, which fuse into one loop each.
 POINT_BLOCK = 32
+# Where ceil(N / 32) equal blocks leave points over (225 = 8 x 28 + 1), up
+# to this many points the blocks are 16 points wide instead (225 = 14 x 16
+# + 1). How wide a block XLA's CPU code sums fastest is not smooth in its
+# width; measured in whole compiled fits, A/B in one process, float32
+# Gaussians with Cpufit's stopping rule on one thread: 15x15 1.27x as many
+# fits per CPU-second, 20x20 1.27x, 7x7 1.06x, 8x8 (64 = 2 x 32, no
+# remainder) 1.09x but 10x10 (100 = 4 x 25) 0.98x, so the equal blocks
+# stay wherever they leave nothing over.
+SHORT_BLOCK = 16
+SHORT_BLOCKS_MAX_POINTS = POINT_BLOCK * SHORT_BLOCK
 
 
 def point_sum(t):
     """``sum(t, axis=-1)`` over the points of ``t`` [..., N]: under XLA, for
     N > `POINT_BLOCK`, as the sum over the last axis of the elementwise sum
-    of ``blocks`` = min(ceil(N / 32), 32) slices of equal width (the fewer
-    than ``blocks`` points left over summed apart; at most 32 slices, so the
-    traced graph stays small for long fits: beyond 1,024 points the blocks
-    are wider than 32 and XLA splits their sum, over 1/32 of the data); else
-    one ``reduce_sum``. The same sum, another order."""
+    of ``blocks`` = min(ceil(N / 32), 32) slices of equal width, or, where
+    those would leave points over and N <= 512, of N // 16 slices 16 wide
+    (`SHORT_BLOCK`); the points left over summed apart (at most 32 slices,
+    so the traced graph stays small for long fits: beyond 1,024 points the
+    blocks are wider than 32 and XLA splits their sum, over 1/32 of the
+    data); else one ``reduce_sum``. The same sum, another order."""
     n = t.shape[-1]
     if n is None or n <= POINT_BLOCK or not spd._in_xla():
         return tf.reduce_sum(t, axis=-1)
     blocks = min(-(-n // POINT_BLOCK), POINT_BLOCK)
     width = n // blocks
+    if blocks * width < n and n <= SHORT_BLOCKS_MAX_POINTS:
+        width = SHORT_BLOCK
+        blocks = n // width
     total = tf.reduce_sum(tf.add_n([t[..., i * width:(i + 1) * width]
                                     for i in range(blocks)]), axis=-1)
     if blocks * width < n:
