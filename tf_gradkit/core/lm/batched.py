@@ -141,11 +141,15 @@ def solve(residual_fn, x0, options, counts, box=None, full_output=False,
         # unconverged, from x0 again; the lower cost of the two is kept.
         again = (out.status >= 4) & (out.status != NON_FINITE_START) & (
             out.status != INFEASIBLE_START) & (out.status != NO_DATA)
-        second = run(*phase, tf.where(again, tf.constant(0, tf.int64), out.status))
-        better = again & ((second.cost < out.cost) | ~tf.math.is_finite(out.cost))
-        kept = _pick(better, second, out)
-        out = kept._replace(iterations=tf.where(
-            again, out.iterations + second.iterations, out.iterations))
+
+        def restart(phase=phase, again=again, out=out):
+            second = run(*phase, tf.where(again, tf.constant(0, tf.int64), out.status))
+            better = again & ((second.cost < out.cost) | ~tf.math.is_finite(out.cost))
+            kept = _pick(better, second, out)
+            return kept._replace(iterations=tf.where(
+                again, out.iterations + second.iterations, out.iterations))
+
+        out = _if_any(again, restart, out)
     if box is not None:
         out = _off_bounds(run, box, x0, out, phases[0])
     x = out.x
@@ -385,12 +389,39 @@ def _off_bounds(run, box, x0, out, phase):
     inside = box.inside(out.x, x0, out.blind)
     again = (out.status == 6) & tf.reduce_any(
         out.blind & tf.not_equal(inside, out.x), axis=-1)
-    second = run(*phase, tf.where(again, tf.constant(0, tf.int64), out.status),
-                 tf.where(again[:, None], inside, out.x))
-    better = again & (second.cost < out.cost)
-    kept = _pick(better, second, out)
-    return kept._replace(iterations=tf.where(
-        again, out.iterations + second.iterations, out.iterations))
+
+    def rerun():
+        second = run(*phase, tf.where(again, tf.constant(0, tf.int64), out.status),
+                     tf.where(again[:, None], inside, out.x))
+        better = again & (second.cost < out.cost)
+        kept = _pick(better, second, out)
+        return kept._replace(iterations=tf.where(
+            again, out.iterations + second.iterations, out.iterations))
+
+    return _if_any(again, rerun, out)
+
+
+def _if_any(flags, rerun, out):
+    """``rerun()`` (a `_Run` built from ``out``) where some problem of
+    ``flags`` [B] runs again, else ``out`` as it is, by a ``tf.cond``: a chunk
+    none of whose problems restarts skips the second run's loop and its
+    final linearisation, at every problem's width (the same results to the
+    bit: a problem not in ``flags`` keeps ``out``'s values either way). On
+    the bounded decay (benchmarks/bounded_decay.py), where no chunk needs
+    the off-bounds run, 1.08x as many fits per CPU-second (in-process A/B,
+    one thread)."""
+    flat = tf.nest.flatten(out)
+    present = [t for t in flat if t is not None]
+
+    def again():
+        got = [t for t in tf.nest.flatten(rerun()) if t is not None]
+        for g, t in zip(got, present):
+            g.set_shape(t.shape)
+        return got
+
+    chosen = iter(tf.cond(tf.reduce_any(flags), again, lambda: present))
+    return tf.nest.pack_sequence_as(out, [None if t is None else next(chosen)
+                                          for t in flat])
 
 
 def _attempt(lin, x, state, d2, live, cost_fn, box, controller, options):
