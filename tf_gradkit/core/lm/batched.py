@@ -408,8 +408,8 @@ def _if_any(flags, rerun, out):
     final linearisation, at every problem's width (the same results to the
     bit: a problem not in ``flags`` keeps ``out``'s values either way). On
     the bounded decay (benchmarks/bounded_decay.py), where no chunk needs
-    the off-bounds run, 1.08x as many fits per CPU-second (in-process A/B,
-    one thread)."""
+    the off-bounds run, 1.08-1.09x as many fits per CPU-second (in-process
+    A/B, one thread)."""
     flat = tf.nest.flatten(out)
     present = [t for t in flat if t is not None]
 
