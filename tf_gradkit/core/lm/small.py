@@ -90,13 +90,16 @@ def reverse_jacobian(residual_fn, x):
 # of elementwise slices, which fuse into one loop each.
 POINT_BLOCK = 32
 # Where ceil(N / 32) equal blocks leave points over (225 = 8 x 28 + 1), up
-# to this many points the blocks are 16 points wide instead (225 = 14 x 16
-# + 1). How wide a block XLA's CPU code sums fastest is not smooth in its
-# width; measured in whole compiled fits, A/B in one process, float32
-# Gaussians with Cpufit's stopping rule on one thread: 15x15 1.27x as many
-# fits per CPU-second, 20x20 1.27x, 7x7 1.06x, 8x8 (64 = 2 x 32, no
-# remainder) 1.09x but 10x10 (100 = 4 x 25) 0.98x, so the equal blocks
-# stay wherever they leave nothing over.
+# to 512 points (where N // 16 slices are at most 32, as above) the blocks
+# are 16 points wide instead (225 = 14 x 16 + 1). How wide a block XLA's
+# CPU code sums fastest is not smooth in its width. Measured in whole
+# compiled fits, A/B in one process, float32 Gaussians with Cpufit's
+# stopping rule on one thread, 16-wide blocks against equal ones: 15x15
+# 1.27x as many fits per CPU-second, 20x20 1.27x, 7x7 1.06x; where equal
+# blocks leave nothing over, 8x8 (64 = 2 x 32) 1.09x but 10x10
+# (100 = 4 x 25) 0.98x, and the float64 decay (100 points) 1.02x. No rule
+# that tells 64 from 100 was found, so equal blocks that leave nothing over
+# stay (8x8's 9% is left).
 SHORT_BLOCK = 16
 SHORT_BLOCKS_MAX_POINTS = POINT_BLOCK * SHORT_BLOCK
 
