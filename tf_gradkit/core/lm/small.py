@@ -96,10 +96,11 @@ POINT_BLOCK = 32
 # compiled fits, A/B in one process, float32 Gaussians with Cpufit's
 # stopping rule on one thread, 16-wide blocks against equal ones: 15x15
 # 1.27x as many fits per CPU-second, 20x20 1.27x, 7x7 1.06x; where equal
-# blocks leave nothing over, 8x8 (64 = 2 x 32) 1.09x but 10x10
-# (100 = 4 x 25) 0.98x, and the float64 decay (100 points) 1.02x. No rule
-# that tells 64 from 100 was found, so equal blocks that leave nothing over
-# stay (8x8's 9% is left).
+# blocks leave nothing over, 8x8 (64 = 2 x 32) 1.09x (1.14x on two
+# threads) but 10x10 (100 = 4 x 25) 0.98x, 16x16 (256 = 8 x 32) 0.74x and
+# the float64 decay (100 points) 1.02x. No rule that tells 64 from 100 and
+# 256 was found, so equal blocks that leave nothing over stay (8x8's gain
+# is left).
 SHORT_BLOCK = 16
 SHORT_BLOCKS_MAX_POINTS = POINT_BLOCK * SHORT_BLOCK
 
