@@ -34,7 +34,7 @@ def factors(jac):
         jtj = tf.reduce_sum(jac[..., :, None] * jac[..., None, :], axis=-3)
         counts = tf.fill(tf.shape(jac)[:1], tf.constant(float(jac.shape[1]), jac.dtype))
         cost = tf.ones_like(counts)
-        r = batched_parts.triangular_factor(jac, jtj)
+        r = batched_parts.triangular_factor(lambda: jac, jtj, jac.shape[1])
         cholesky, ok = small.cholesky_factor(jtj, jac.shape[1])
         qr = batched_parts.unrolled_qr(jac)[0]
         return (r, ok, cholesky, qr, small.proven_covariance(r, cost, counts, True),

@@ -80,7 +80,7 @@ class _Run(NamedTuple):
     stationarity: tf.Tensor
     blind: tf.Tensor  # [B, P] on a bound the residuals ignore (`Bounds.blind`)
     stopped_by: tf.Tensor  # [B] int64: a stall's tolerance code, else 0
-    final: object = None   # BatchedLinearization at x (with the Jacobian)
+    final: object = None   # BatchedLinearization at x (the Jacobian if the solver's)
 
 
 def _pick(flags, a, b):
@@ -154,6 +154,12 @@ def solve(residual_fn, x0, options, counts, box=None, full_output=False,
         out = _off_bounds(run, box, x0, out, phases[0])
     x = out.x
     final = out.final   # the linearisation at x, from the run that ended there
+
+    def jacobian():   # traced once here, where the runs kept it only if their solver needs it
+        if final.jacobian is not None:
+            return final.jacobian
+        return prob.robust.linearize(residual_fn, x).jacobian
+
     if box is None:
         mask = tf.zeros_like(x, tf.int64)
         scaled = final.jtr
@@ -164,9 +170,9 @@ def solve(residual_fn, x0, options, counts, box=None, full_output=False,
         x=x, cost=final.cost, iterations=out.iterations, status=out.status,
         damping=out.damping, optimality=tf.reduce_max(tf.abs(scaled), axis=-1),
         stationarity=out.stationarity, grad=final.jtr, active_mask=mask,
-        factor=parts.triangular_factor(final.jacobian, final.jtj),
+        factor=parts.triangular_factor(jacobian, final.jtj, final.residuals.shape[-1]),
         fun=residual_fn(x) if full_output else None,
-        jac=final.jacobian if full_output else None, stopped_by=out.stopped_by)
+        jac=jacobian() if full_output else None, stopped_by=out.stopped_by)
 
 
 class _Problems(NamedTuple):
@@ -221,9 +227,13 @@ def _run(prob, rows_fn, counts, x0, start_code, start_cost, scaling, controller,
     nu0 = tf.broadcast_to(control.nu, [batch])
     scale0 = tf.broadcast_to(scaling.init(p, dtype), [batch, p])
     sqrt_eps = tf.constant(np.sqrt(eps), dtype)
+    # The linearisation at x rides in the state: each pass linearises at its
+    # trial point (whose cost the attempt needs) and keeps that where the
+    # step is taken, so no pass evaluates the residuals twice at one point.
+    lin0 = prob.robust.linearize(prob.residual_fn, x0, options.solver.needs_jacobian)
     state = (x0, tf.zeros([batch], tf.int64), start_code, damping0, nu0, scale0,
              tf.zeros([batch, p], dtype), tf.zeros([batch], tf.int64),
-             tf.zeros([batch], tf.int64), tf.zeros([batch], dtype))
+             tf.zeros([batch], tf.int64), tf.zeros([batch], dtype)) + _carried(lin0)
     limit = None
     if (rows_fn is not None and batch is not None and batch >= COMPACT_MIN_BATCH
             and spd._in_xla()):
@@ -244,10 +254,12 @@ def _run(prob, rows_fn, counts, x0, start_code, start_cost, scaling, controller,
                           options, None)
         state = tuple(tf.tensor_scatter_nd_update(t, rows[:, None], u)
                       for t, u in zip(state, sub_state))
-    x, it, code, damping, _, _, largest, test, _, _ = state
+    x, it, code, damping, _, _, largest, test, _, _ = state[:_STATE]
     residual_fn, robust, held, box = prob.residual_fn, prob.robust, prob.held, prob.box
     code = tf.where(code == 0, tf.constant(4, tf.int64), code)
-    final = robust.linearize(residual_fn, x)
+    final = parts.BatchedLinearization(*state[_STATE:])
+    if final.residuals is None:   # the Jacobian itself: `solve`'s, once, if needed
+        final = final._replace(residuals=robust.residuals(residual_fn(x)))
     kept = held(final, x)
     now = parts.column_norms(kept)
     cosine_now, r_norm = parts.stationarity(kept, now)
@@ -272,6 +284,15 @@ def _run(prob, rows_fn, counts, x0, start_code, start_cost, scaling, controller,
     code = tf.where(far, tf.constant(6, tf.int64), code)
     return _Run(x=x, iterations=it, status=code, damping=damping, cost=final.cost,
                 stationarity=cosine, blind=blind, stopped_by=stopped_by, final=final)
+
+
+# `_run`'s loop state: these many tensors, then the linearisation at x
+# (`_carried`: its fields that are not None).
+_STATE = 10
+
+
+def _carried(lin):
+    return tuple(t for t in lin if t is not None)
 
 
 def _gauss_newton(jtj, jtr):
@@ -315,14 +336,17 @@ def _loop(prob, body_of, state, options, limit):
 
 
 def _body(prob, scaling, controller, options, sqrt_eps):
-    """One pass: each running problem's linearisation and one attempt."""
-    residual_fn, cost_fn, robust, held, box = prob
+    """One pass: each running problem's attempt from the linearisation at x
+    (carried in the state after ``_STATE`` tensors), which linearises at the
+    trial point: that linearisation is carried on where the step is taken."""
+    residual_fn, _, robust, held, box = prob
     solver = options.solver
 
     def c(v):
         return tf.constant(v, tf.int64)
 
-    def body(x, it, code, damping, nu, scale, largest, test, attempt, first_norm):
+    def body(x, it, code, damping, nu, scale, largest, test, attempt, first_norm,
+             *carried):
         # One attempt per problem per pass: a problem whose step was refused
         # tries again in the next pass from the same point (the same
         # linearisation) with its new damping, up to `max_attempts`; its
@@ -332,7 +356,8 @@ def _body(prob, scaling, controller, options, sqrt_eps):
         # iterations of the slowest problem's attempts.
         active = (code == 0) & (it < options.max_iterations)
         fresh = attempt == 0
-        lin = held(robust.linearize(residual_fn, x, solver.needs_jacobian), x)
+        here = parts.BatchedLinearization(*carried)
+        lin = held(here, x)
         new_largest = tf.maximum(largest, parts.column_norms(lin))
         grad_small = tf.reduce_max(tf.abs(lin.jtr), axis=-1) <= options.gtol * (
             tf.maximum(lin.cost, 1.0))
@@ -342,8 +367,9 @@ def _body(prob, scaling, controller, options, sqrt_eps):
                          scale)
         good, dstate, trial_x, info = _attempt(
             lin, x, damping_lib.DampingState(damping, nu),
-            scaling.diagonal(scale, jtj_diag), stepping, cost_fn, box, controller,
-            options)
+            scaling.diagonal(scale, jtj_diag), stepping,
+            lambda at: robust.linearize(residual_fn, at, solver.needs_jacobian), box,
+            controller, options)
         first_norm = tf.where(stepping & fresh, info["norm"], first_norm)
         stalled = ~good
         flat = stalled & (info["predicted"] <= options.ftol * lin.cost)
@@ -376,7 +402,7 @@ def _body(prob, scaling, controller, options, sqrt_eps):
                 tf.where(active[:, None], new_largest, largest),
                 tf.where(done, new_test, test),
                 tf.where(stepping & ~ended, attempt + 1, tf.zeros_like(attempt)),
-                first_norm)
+                first_norm) + _carried(_pick(stepping & good, info["lin"], here))
 
     return body
 
@@ -424,12 +450,13 @@ def _if_any(flags, rerun, out):
                                           for t in flat])
 
 
-def _attempt(lin, x, state, d2, live, cost_fn, box, controller, options):
+def _attempt(lin, x, state, d2, live, linearize_at, box, controller, options):
     """One attempt of `step.levenberg_marquardt_step` for the problems in
     ``live``: ``(accepted [B], DampingState after it, trial x [B, P], info)``
     with ``info``'s ``new_cost`` (the trial's cost where accepted, else the
     current one), ``norm`` (the step's), ``predicted`` (the model's
-    decrease)."""
+    decrease) and ``lin`` (``linearize_at(trial x)``, whose cost is the
+    trial's)."""
     dtype = x.dtype
     root_d2 = tf.sqrt(d2)
     inf = tf.constant(float("inf"), dtype)
@@ -438,7 +465,8 @@ def _attempt(lin, x, state, d2, live, cost_fn, box, controller, options):
     if box is not None:
         step = box.project(x, step)
     trial_x = x + step
-    trial = cost_fn(trial_x)
+    trial_lin = linearize_at(trial_x)
+    trial = trial_lin.cost
     slope = parts.dot(step, lin.jtr)
     pred = -slope - 0.5 * parts.dot(step, parts.gauss_newton_matvec(lin, step))
     gain = (lin.cost - trial) / tf.where(pred > 0, pred, tf.ones_like(pred))
@@ -452,5 +480,5 @@ def _attempt(lin, x, state, d2, live, cost_fn, box, controller, options):
     refused = controller.reject(dstate, measured)
     dstate = tf.nest.map_structure(lambda a, b: tf.where(good, a, b), taken, refused)
     info = dict(new_cost=tf.where(good, trial, lin.cost), norm=parts.norm(step),
-                predicted=pred)
+                predicted=pred, lin=trial_lin)
     return good, dstate, trial_x, info

@@ -131,15 +131,22 @@ class BatchedRobustLoss:
             j_factor = tf.sqrt(tf.maximum(d1 + 2.0 * z * d2, eps))
         return d1 / j_factor, j_factor
 
+    def residuals(self, f):
+        """The step residuals of ``linearize`` from the residuals ``f``."""
+        return self._rescaled(f)[0]
+
+    def _rescaled(self, f):
+        if self.is_linear:
+            return f, None
+        f_factor, j_factor = self.weights(f)
+        return j_factor * f + (f_factor - j_factor) * f, j_factor
+
     def linearize(self, residual_fn, x, needs_jacobian=True):
         """`BatchedLinearization` of the step residuals (scipy's rescaling
         for a robust loss, `robust.py`) at ``x``."""
         f, jac = jacobian(residual_fn, x)
-        if self.is_linear:
-            r = f
-        else:
-            f_factor, j_factor = self.weights(f)
-            r = j_factor * f + (f_factor - j_factor) * f
+        r, j_factor = self._rescaled(f)
+        if j_factor is not None:
             jac = j_factor[..., None] * jac
         jtj, jtr = normal_equations(jac, r)
         return BatchedLinearization(cost=self.cost(f), jtj=jtj, jtr=jtr,
@@ -268,21 +275,22 @@ def unrolled_qr(a, rhs=None):
     return r, (tf.stack(qtb, axis=-1) if rhs is not None else None)
 
 
-def triangular_factor(jac, jtj=None):
-    """``R`` [B, min(N, P), P] with ``R^T R = J^T J`` (``jac`` [B, N, P]; its
-    singular values and right vectors are ``jac``'s: `covariance` needs only
-    this): a QR's; under XLA for few parameters (and N >= P) the Cholesky
-    factor of ``jtj`` [B, P, P] (``jac``'s, computed already) where
+def triangular_factor(jacobian, jtj, n):
+    """``R`` [B, min(N, P), P] with ``R^T R = J^T J`` (``jacobian()`` [B, N, P],
+    ``jtj`` its [B, P, P], computed already; the factor's singular values and
+    right vectors are J's: `covariance` needs only this): a QR's; under XLA
+    for few parameters (and N >= P) the Cholesky factor of ``jtj`` where
     `small.cholesky_factor` shows it as good as a QR's, the unrolled QR's
-    for the other problems (`qr_where`)."""
-    p, n = jac.shape[-1], jac.shape[-2]
+    for the other problems (`qr_where`), the Jacobian formed only where
+    some problem needs that (a ``tf.cond``)."""
+    p = jtj.shape[-1]
     if p <= UNROLL_MAX_PARAMS and spd._in_xla():
-        if (jtj is not None and p <= small.COLUMNS_MAX_PARAMS and n is not None
-                and n >= p):
+        if p <= small.COLUMNS_MAX_PARAMS and n is not None and n >= p:
             r, ok = small.cholesky_factor(jtj, n)
-            return qr_where(~ok, r, jac)
-        return unrolled_qr(jac)[0]
-    return tf.linalg.qr(jac)[1]
+            return tf.cond(tf.reduce_all(ok), lambda: r,
+                           lambda: qr_where(~ok, r, jacobian()))
+        return unrolled_qr(jacobian())[0]
+    return tf.linalg.qr(jacobian())[1]
 
 
 # `qr_where` factors the refused problems QR_FRACTION-th of a batch at a time
