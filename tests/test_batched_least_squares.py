@@ -140,15 +140,19 @@ def test_batch_matches_single_solves():
         assert 1 in statuses and 2 in statuses and 3 in statuses, statuses
 
 
-def test_compiled_batch_matches_single_solves():
+@pytest.mark.parametrize("solver", ["auto", "qr"])
+def test_compiled_batch_matches_single_solves(solver):
     """The same under XLA (``jit_compile=True``: "auto" would not compile 26
     fits; the data carried through the loop, `loop_data`; its CPU code
     rounds differently, so the default
     tolerances, at round-off, may stop an iteration apart or for the other
     tolerance): with tolerances above round-off each problem stops where the
-    single solve does, for the same reason."""
+    single solve does, for the same reason. With either solver: the loop
+    carries the linearisation at x, with the Jacobian for "qr" ("auto" is
+    the Cholesky solve here, whose final Jacobian is formed after the
+    loop)."""
     t, y, sigma, mask, p0, lengths = _mixed_batch()
-    tolerances = dict(ftol=1e-10, xtol=1e-10, gtol=1e-10)
+    tolerances = dict(ftol=1e-10, xtol=1e-10, gtol=1e-10, solver=solver)
     fit = tf_gradkit.curve_fit(decay, t, y, p0, sigma=sigma, bounds=(LOWER, UPPER),
                                mask=mask, jit_compile=True, **tolerances)
     _check_mixed(fit, t, y, sigma, p0, lengths, rtol=1e-8, **tolerances)
@@ -283,9 +287,11 @@ def test_absolute_sigma_covariance():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("loss", ["soft_l1", "cauchy"])
-def test_robust_losses_and_restarts_match_single_solves(loss):
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_robust_losses_and_restarts_match_single_solves(loss, jit_compile):
     """Robust losses (the 'hybrid' scaling's two phases: a short iteration
-    limit makes some problems restart) with outliers, unbounded. The robust
+    limit makes some problems restart) with outliers, unbounded, plain and
+    under XLA (where the loop carries the robust linearisation). The robust
     cost is summed in another order than the single solve's, so the
     tolerances are set above round-off (at the defaults a last iteration may
     stop on the step rather than the cost tolerance)."""
@@ -295,7 +301,7 @@ def test_robust_losses_and_restarts_match_single_solves(loss):
     options = dict(loss=loss, f_scale=0.1, max_iterations=12, ftol=1e-10,
                    xtol=1e-10, gtol=1e-10)
     fit = tf_gradkit.curve_fit(decay, t, y, p0, sigma=sigma, mask=mask,
-                               bounds=None, jit_compile=False, **options)
+                               bounds=None, jit_compile=jit_compile, **options)
     limits = 0
     for b in range(10):
         n = lengths[b]
