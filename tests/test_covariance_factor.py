@@ -136,6 +136,41 @@ def test_curve_fit_covariance_under_xla_matches_the_plain_engine():
     assert np.all(fit.undetermined.numpy()) and np.all(np.isinf(fit.covariance.numpy()))
 
 
+@pytest.mark.parametrize("loss", ["linear", "soft_l1"])
+def test_compiled_fit_refused_by_the_cholesky_test_takes_the_qr(loss):
+    """End to end: a compiled fit whose J^T J `small.cholesky_factor` refuses
+    (a quadratic on t in [300, 301]: nearly collinear columns, full rank)
+    forms its final Jacobian after the loop (under a ``tf.cond``) for the
+    QR, and its covariance equals the plain engine's (``tf.linalg.qr`` of
+    the whole final Jacobian) on the correlation scale; with a robust loss
+    that Jacobian is the robust-scaled one, as the plain engine's. The
+    refusal is checked on the plain engine's ``full_output`` Jacobian."""
+    rng = np.random.default_rng(11)
+    t = np.linspace(300.0, 301.0, 30)
+    truth = np.stack([rng.uniform(-1, 1, 6), rng.uniform(1, 2, 6),
+                      rng.uniform(0.5, 1, 6)], axis=1)
+    y = truth[:, :1] + truth[:, 1:2] * t + truth[:, 2:3] * t * t
+    y = y + 0.01 * rng.normal(size=y.shape)
+    y[:, 7] += 0.5   # an outlier, for the robust loss
+
+    def quadratic(t, p):
+        return p[:, 0:1] + p[:, 1:2] * t + p[:, 2:3] * t * t
+
+    options = dict(loss=loss, f_scale=0.02, ftol=1e-12, xtol=1e-12, gtol=1e-12)
+    plain = tf_gradkit.curve_fit(quadratic, t, y, truth, jit_compile=False,
+                                 full_output=True, **options)
+    jac = plain.jac.numpy()
+    _, ok = small.cholesky_factor(tf.constant(np.einsum("bni,bnj->bij", jac, jac)), 30)
+    assert not np.any(ok.numpy())   # every fit needs the QR
+    compiled = tf_gradkit.curve_fit(quadratic, t, y, truth, jit_compile=True, **options)
+    # The engines round differently; along the flattest direction (the
+    # column-scaled condition number is ~5e6) x is found to ~1e-6 relative.
+    np.testing.assert_allclose(compiled.x.numpy(), plain.x.numpy(), rtol=1e-5)
+    cov = compiled.covariance.numpy()
+    assert np.all(np.isfinite(cov)) and np.all(compiled.converged.numpy())
+    assert normalised(cov, plain.covariance.numpy()).max() < 1e-6
+
+
 @pytest.mark.parametrize("n", [1, 25, 32, 33, 100, 225, 400, 513, 1000, 2047, 5000])
 def test_point_sum_is_the_sum_over_points(n):
     """`small.point_sum` under XLA (slices of at most 32 points up to 1,024

@@ -284,23 +284,26 @@ def _spy_problems(monkeypatch):
     return built
 
 
-def test_compacted_tail_takes_the_same_steps(monkeypatch):
+@pytest.mark.parametrize("solver", ["auto", "qr"])
+def test_compacted_tail_takes_the_same_steps(monkeypatch, solver):
     """When at most 1/16 of a chunk's fits still run, they go on gathered in
     a batch that size (`batched.COMPACT_FRACTION`): each fit ends exactly as
     in the loop over the whole chunk (float64; the same elementwise ops per
     fit, so status and iterations equal and x to round-off), and the
-    compaction did happen (its `_problems` built for the gathered rows)."""
+    compaction did happen (its `_problems` built for the gathered rows).
+    With either solver: the gathered state includes the linearisation the
+    loop carries, with its Jacobian for "qr"."""
     xy, y, p0 = spots(640, dtype=np.float64, seed=4)
     p0[::40, 3] *= 2.5     # 16 starts far off in width: the slow tail
     built = _spy_problems(monkeypatch)
     _clear_solves()
     compact = tf_gradkit.curve_fit(gaussian, xy, y, p0, ftol=1e-10, batch_size=640,
-                                   jit_compile=True)
+                                   jit_compile=True, solver=solver)
     assert built == [640, 640 // batched.COMPACT_FRACTION], built
     monkeypatch.setattr(batched, "COMPACT_MIN_BATCH", 10 ** 9)
     _clear_solves()
     whole = tf_gradkit.curve_fit(gaussian, xy, y, p0, ftol=1e-10, batch_size=640,
-                                 jit_compile=True)
+                                 jit_compile=True, solver=solver)
     _clear_solves()
     it = whole.iterations.numpy()
     assert it.max() > 2 * np.median(it)          # there was a tail to compact

@@ -80,7 +80,7 @@ class _Run(NamedTuple):
     stationarity: tf.Tensor
     blind: tf.Tensor  # [B, P] on a bound the residuals ignore (`Bounds.blind`)
     stopped_by: tf.Tensor  # [B] int64: a stall's tolerance code, else 0
-    final: object = None   # BatchedLinearization at x (the Jacobian if the solver's)
+    final: object = None   # BatchedLinearization at x (its Jacobian: outside XLA, or if the solver needs it)
 
 
 def _pick(flags, a, b):
@@ -155,11 +155,12 @@ def solve(residual_fn, x0, options, counts, box=None, full_output=False,
     x = out.x
     final = out.final   # the linearisation at x, from the run that ended there
 
-    def jacobian():   # traced once here, where the runs kept it only if their solver needs it
+    def jacobian():   # under XLA the runs keep it only if their solver needs it
         if final.jacobian is not None:
             return final.jacobian
         return prob.robust.linearize(residual_fn, x).jacobian
 
+    jac = jacobian() if full_output else None   # traced once, for both
     if box is None:
         mask = tf.zeros_like(x, tf.int64)
         scaled = final.jtr
@@ -170,9 +171,10 @@ def solve(residual_fn, x0, options, counts, box=None, full_output=False,
         x=x, cost=final.cost, iterations=out.iterations, status=out.status,
         damping=out.damping, optimality=tf.reduce_max(tf.abs(scaled), axis=-1),
         stationarity=out.stationarity, grad=final.jtr, active_mask=mask,
-        factor=parts.triangular_factor(jacobian, final.jtj, final.residuals.shape[-1]),
+        factor=parts.triangular_factor(jacobian if jac is None else lambda: jac,
+                                       final.jtj, final.residuals.shape[-1]),
         fun=residual_fn(x) if full_output else None,
-        jac=jacobian() if full_output else None, stopped_by=out.stopped_by)
+        jac=jac, stopped_by=out.stopped_by)
 
 
 class _Problems(NamedTuple):
@@ -446,7 +448,7 @@ def _if_any(flags, rerun, out):
     """``rerun()`` (a `_Run` built from ``out``) where some problem of
     ``flags`` [B] runs again, else ``out`` as it is, by a ``tf.cond``: a chunk
     none of whose problems restarts skips the second run's loop and its
-    final linearisation, at every problem's width (the same results to the
+    linearisations, at every problem's width (the same results to the
     bit: a problem not in ``flags`` keeps ``out``'s values either way). On
     the bounded decay (benchmarks/bounded_decay.py), where no chunk needs
     the off-bounds run, 1.08-1.09x as many fits per CPU-second (in-process

@@ -281,8 +281,8 @@ def triangular_factor(jacobian, jtj, n):
     right vectors are J's: `covariance` needs only this): a QR's; under XLA
     for few parameters (and N >= P) the Cholesky factor of ``jtj`` where
     `small.cholesky_factor` shows it as good as a QR's, the unrolled QR's
-    for the other problems (`qr_where`), the Jacobian formed only where
-    some problem needs that (a ``tf.cond``)."""
+    for the other problems (`qr_where`): there ``jacobian()`` is called (for
+    the whole batch) under a ``tf.cond``, only where some problem needs it."""
     p = jtj.shape[-1]
     if p <= UNROLL_MAX_PARAMS and spd._in_xla():
         if p <= small.COLUMNS_MAX_PARAMS and n is not None and n >= p:
