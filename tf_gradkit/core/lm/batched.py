@@ -232,7 +232,8 @@ def _run(prob, rows_fn, counts, x0, start_code, start_cost, scaling, controller,
     state = (x0, tf.zeros([batch], tf.int64), start_code, damping0, nu0, scale0,
              tf.zeros([batch, p], dtype), tf.zeros([batch], tf.int64),
              tf.zeros([batch], tf.int64), tf.zeros([batch], dtype))
-    if spd._in_xla():
+    carry = spd._in_xla()
+    if carry:
         # The linearisation at x rides in the state (`_body`): one more
         # linearisation to trace, which a plain function's first call
         # (`fitting.AUTO_XLA_FITS`) would pay for more than it saves.
@@ -240,7 +241,7 @@ def _run(prob, rows_fn, counts, x0, start_code, start_cost, scaling, controller,
                                                 options.solver.needs_jacobian))
     limit = None
     if (rows_fn is not None and batch is not None and batch >= COMPACT_MIN_BATCH
-            and spd._in_xla()):
+            and carry):
         limit = batch // COMPACT_FRACTION
 
     def body_of(problems):
@@ -261,7 +262,7 @@ def _run(prob, rows_fn, counts, x0, start_code, start_cost, scaling, controller,
     x, it, code, damping, _, _, largest, test, _, _ = state[:_STATE]
     residual_fn, robust, held, box = prob.residual_fn, prob.robust, prob.held, prob.box
     code = tf.where(code == 0, tf.constant(4, tf.int64), code)
-    if len(state) == _STATE:
+    if not carry:
         final = robust.linearize(residual_fn, x)
     else:
         final = parts.BatchedLinearization(*state[_STATE:])
@@ -353,11 +354,6 @@ def _body(prob, scaling, controller, options, sqrt_eps):
     residual_fn, cost_fn, robust, held, box = prob
     solver = options.solver
 
-    def linearize_at(at, carried):
-        if carried:
-            return robust.linearize(residual_fn, at, solver.needs_jacobian)
-        return parts.BatchedLinearization(cost_fn(at), None, None)
-
     def c(v):
         return tf.constant(v, tf.int64)
 
@@ -385,7 +381,9 @@ def _body(prob, scaling, controller, options, sqrt_eps):
         good, dstate, trial_x, info = _attempt(
             lin, x, damping_lib.DampingState(damping, nu),
             scaling.diagonal(scale, jtj_diag), stepping,
-            lambda at: linearize_at(at, carried), box, controller, options)
+            lambda at: (robust.linearize(residual_fn, at, solver.needs_jacobian)
+                        if carried else parts.BatchedLinearization(cost_fn(at), None, None)),
+            box, controller, options)
         first_norm = tf.where(stepping & fresh, info["norm"], first_norm)
         stalled = ~good
         flat = stalled & (info["predicted"] <= options.ftol * lin.cost)
