@@ -47,20 +47,18 @@ os.environ.pop("TF_GRADKIT_XLA_CACHE", None)   # a program read from the cache i
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+import bounded_decay  # noqa: E402
+import cpufit_side_by_side  # noqa: E402
+import timing  # noqa: E402
 import tf_gradkit  # noqa: E402
 
-
-def gaussian(xy, p):
-    dx = xy[0][None, :] - p[:, 1:2]
-    dy = xy[1][None, :] - p[:, 2:3]
-    return p[:, 0:1] * tf.exp(-(dx * dx + dy * dy) / (2.0 * p[:, 3:4] ** 2)) + p[:, 4:5]
+gaussian = cpufit_side_by_side.gaussian
 
 
 def gaussian_case(side, fits, data=None, seed=0):
     if data is not None:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import cpufit_side_by_side
         _, y, p0, xy = cpufit_side_by_side.load(data)
         y, p0 = y[:fits], p0[:fits]
     else:
@@ -83,8 +81,6 @@ def gaussian_case(side, fits, data=None, seed=0):
 
 
 def decay_case(fits):
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import bounded_decay
     t, y, p0 = bounded_decay.problems(fits)
 
     def call():
@@ -206,8 +202,6 @@ def main():
                                           for k, v in sorted(measured.items()) if k in control))
     text = "\n".join(lines)
     print(text)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import timing
     print("written to", timing.write_result(f"kernel_profile_{args.case}.md", text))
 
 
