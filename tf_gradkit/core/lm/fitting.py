@@ -24,6 +24,7 @@ from tf_gradkit.core.lm import fit_report
 from tf_gradkit.core.lm import fixed as fixed_lib
 from tf_gradkit.core.lm import in_flight
 from tf_gradkit.core.lm import loop_data
+from tf_gradkit.core.lm import module_store
 from tf_gradkit.core.lm import poisson
 from tf_gradkit.core.lm import small
 from tf_gradkit.core.lm import solve_cache
@@ -505,12 +506,7 @@ def _compiled(kind, fn, options, key, jit_compile, full_output, free, function):
     tf.function keeps one trace per chunk shape and dtype)."""
 
     def build():
-        def residuals_of(per_fit, shared, mask, full0):
-            fns = (fn if free is None else fixed_lib.reduce_fns(
-                "fun" if kind == "fun" else "curve", fn, free, full0))
-            return loop_data.attach(   # carried through the compiled loop
-                _RESIDUALS[kind](fns, per_fit, shared, mask),
-                (per_fit, shared, mask, full0), lambda data: residuals_of(*data))
+        residuals_of = _residuals_of(kind, fn, free)
 
         def chunk(x0, per_fit, shared, mask, lower, upper, full0, absolute):
             residual_fn = residuals_of(per_fit, shared, mask, full0)
@@ -542,6 +538,40 @@ def _compiled(kind, fn, options, key, jit_compile, full_output, free, function):
         ("least_squares_batched", kind, function, key, jit_compile, full_output,
          free),
         build)
+    return found
+
+
+def _residuals_of(kind, fn, free):
+    """``(per_fit, shared, mask, full0) -> residual_fn`` of a chunk."""
+    def residuals_of(per_fit, shared, mask, full0):
+        fns = (fn if free is None else fixed_lib.reduce_fns(
+            "fun" if kind == "fun" else "curve", fn, free, full0))
+        return loop_data.attach(   # carried through the compiled loop
+            _RESIDUALS[kind](fns, per_fit, shared, mask),
+            (per_fit, shared, mask, full0), lambda data: residuals_of(*data))
+    return residuals_of
+
+
+def _stored(kind, fn, options_key, full_output, free, function, solve, args):
+    """The compiled ``solve`` as a stored module (`module_store`), found or
+    written once per process for these options and argument shapes, or
+    ``solve`` where modules are not kept."""
+    residuals_of = _residuals_of(kind, fn, free)
+
+    def probe(x0, per_fit, shared, mask, lower, upper, full0, absolute):
+        residual_fn = residuals_of(per_fit, shared, mask, full0)
+        calls = [residual_fn(x0)]
+        if hasattr(residual_fn, "jacobian"):
+            calls.append(residual_fn.jacobian(x0))
+        return calls
+
+    shapes = module_store.arguments(args)
+    if module_store.directory() is None or shapes is None:
+        return solve
+    found, _ = solve_cache.SOLVES.lookup(
+        ("stored module", kind, function, options_key, full_output, free, shapes[1]),
+        lambda: module_store.stored(solve, args, (kind, options_key, full_output, free),
+                                    probe) or solve)
     return found
 
 
@@ -628,6 +658,8 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
         if bar is not None:
             bar.update(min(start + size, batch))
 
+    if jit_compile:   # a stored module where the XLA cache is on (module_store)
+        solve = _stored(kind, fn, key, full_output, free, function, solve, args_at(0))
     # The first chunk alone (it traces and compiles, and may fall back).
     if may_fall_back:
         solved, plain = solve_cache.xla_or_plain(
