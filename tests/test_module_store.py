@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import tf_gradkit
 from tf_gradkit.core.lm import batched, module_store, solve_cache
 
 pytestmark = pytest.mark.keras_free
@@ -127,3 +128,48 @@ def test_a_second_process_runs_the_stored_module(tmp_path):
     truth = np.stack([np.linspace(1, 2, 40), np.linspace(0.5, 1.5, 40)], 1)
     for fit in (first, other):   # noise 0.01 on amplitudes 1-4: within 5%
         np.testing.assert_allclose(fit["x"], truth, rtol=0.05)
+
+
+def _decay(t, p):
+    return (p[:, 0:1] * tf.exp(-p[:, 1:2] * t[None, :])
+            + p[:, 2:3] * tf.exp(-p[:, 3:4] * t[None, :]))
+
+
+def test_stored_modules_give_the_usual_compiled_results(tmp_path, monkeypatch):
+    """In one process (the XLA cache itself off): a module run gives what
+    the usual compiled solve gives, bit for bit (measured; both are XLA's
+    program of the same HLO ops), through float64 bounds, full_output,
+    sigma, fixed parameters, a robust loss, a mask and least_squares_batched;
+    a residual function that captures a tensor is not stored and runs the
+    usual way."""
+    rng = np.random.default_rng(1)
+    t = np.linspace(0, 4, 30)
+    truth = np.c_[rng.uniform(1, 2, 40), rng.uniform(0.2, 0.5, 40),
+                  rng.uniform(0.5, 1, 40), rng.uniform(1.5, 3, 40)]
+    y = _decay(tf.constant(t), tf.constant(truth)).numpy() + 0.01 * rng.normal(size=(40, 30))
+    y32, t32, p32 = y.astype(np.float32), t.astype(np.float32), (truth * 1.3).astype(np.float32)
+    observed = tf.constant(y32)
+    mask = np.arange(30)[None, :] < rng.integers(20, 31, (40, 1))
+    cases = [
+        (lambda: tf_gradkit.curve_fit(
+            _decay, t, y, truth * 1.3, sigma=np.full(30, 0.5), bounds=(0, 10),
+            parameters_to_fit=[True, True, False, True], full_output=True,
+            jit_compile=True), 2),
+        (lambda: tf_gradkit.curve_fit(
+            _decay, t32, y32, p32, loss="cauchy", mask=mask,
+            jit_compile=True), 4),
+        (lambda: tf_gradkit.least_squares_batched(
+            lambda x: _decay(tf.constant(t32), x) - observed, p32, jit_compile=True), 4),
+    ]
+    folder = tmp_path / module_store.FOLDER
+    for call, files in cases:
+        monkeypatch.setattr(module_store, "directory", lambda: str(folder))
+        stored = call()
+        assert len(os.listdir(folder)) == files
+        monkeypatch.setattr(module_store, "directory", lambda: None)
+        usual = call()
+        for field in ("x", "cost", "status", "covariance", "fun", "jac"):
+            a, b = getattr(stored, field), getattr(usual, field)
+            assert (a is None) == (b is None), field
+            if a is not None:
+                np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=field)

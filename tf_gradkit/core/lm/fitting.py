@@ -559,10 +559,24 @@ def _stored(kind, fn, options_key, full_output, free, function, solve, args):
     residuals_of = _residuals_of(kind, fn, free)
 
     def probe(x0, per_fit, shared, mask, lower, upper, full0, absolute):
-        residual_fn = residuals_of(per_fit, shared, mask, full0)
-        calls = [residual_fn(x0)]
-        if hasattr(residual_fn, "jacobian"):
-            calls.append(residual_fn.jacobian(x0))
+        # The user's functions at the chunk's size and, where the solve has
+        # a compacted tail (`batched.COMPACT_MIN_BATCH`), at the tail's.
+        batch = int(x0.shape[0])
+        rows = tf.range(max(1, batch // batched.COMPACT_FRACTION))
+
+        def take(t):
+            return None if t is None else tf.gather(t, rows)
+
+        calls = []
+        sizes = [(x0, per_fit, mask, full0)]
+        if batch >= batched.COMPACT_MIN_BATCH:
+            sizes.append((take(x0), tf.nest.map_structure(take, per_fit), take(mask),
+                          take(full0)))
+        for fn_rows in sizes:
+            residual_fn = residuals_of(fn_rows[1], shared, fn_rows[2], fn_rows[3])
+            calls.append(residual_fn(fn_rows[0]))
+            if hasattr(residual_fn, "jacobian"):
+                calls.append(residual_fn.jacobian(fn_rows[0]))
         return calls
 
     shapes = module_store.arguments(args)

@@ -20,15 +20,17 @@ the traced solve would be the same program:
   are plain data of tf_gradkit's own parts: a user's part class, or one
   keyed by identity, is never stored;
 - the graph of the user's functions as the solve calls them (the residuals,
-  and ``jac`` where given) traced at the chunk's shapes: their ops,
-  constants and attributes. A model that captures a tensor or variable is
-  never stored (its values are not in the graph);
+  and ``jac`` where given) traced at the chunk's shapes and at the compacted
+  tail's: their ops, constants and attributes. A model that captures a
+  tensor or variable is never stored (its values are not in the graph), nor
+  one that fails to trace there;
 - each argument's shape and dtype, and the Python values among them.
 
-What it does not see: a model whose ops depend on the batch size it is
-called with (the solve also calls it on fewer rows than the chunk has).
-Use ``TF_GRADKIT_XLA_CACHE=0`` for such a model, or delete the
-``modules`` folder of the cache directory.
+What it does not see: a model that builds other ops inside the solve than
+when called alone at the same shapes (one that reads Python state the
+solve's calls change, or that looks at its context: inside a loop, under
+forward-mode autodiff). Use ``TF_GRADKIT_XLA_CACHE=0`` for such a model,
+or delete the ``modules`` folder of the cache directory.
 
 Only on the CPU (no GPU visible) and only where the cache is on
 (`xla_cache.DIRECTORY`); anything that cannot be exported runs the usual
@@ -124,7 +126,10 @@ def digest(options_key, probe, args):
     given = arguments(args)
     if given is None or not _plain(options_key):
         return None
-    traced = tf.function(probe, autograph=False).get_concrete_function(*args)
+    try:
+        traced = tf.function(probe, autograph=False).get_concrete_function(*args)
+    except Exception:  # noqa: BLE001 - the usual path traces and raises it
+        return None
     if traced.captured_inputs:
         return None
     graph = traced.graph.as_graph_def().SerializeToString(deterministic=True)
