@@ -3,6 +3,7 @@
 compiled program without tracing the solve, with the same results, and a
 changed model, option or shape is never served another's module."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import tf_gradkit
+from tf_gradkit.core import spd
 from tf_gradkit.core.lm import batched, module_store, solve_cache
 
 pytestmark = pytest.mark.keras_free
@@ -24,11 +26,12 @@ def _digest(model, x, options=OPTIONS):
     return module_store.digest(options, lambda v: model(v), (x,))
 
 
-def test_digest_follows_the_model_options_and_shapes():
+def test_digest_follows_the_model_options_and_shapes(monkeypatch):
     """Equal for the same model made again (a lambda from one line), and
     different for another constant in the model, other options or another
-    shape; None (not stored) where the model captures a tensor or a variable,
-    or an option is keyed by identity or is a user's class."""
+    shape, a trace choice or an engine constant; None (not stored) where the
+    model captures a tensor or a variable or has a custom gradient, or an
+    option is keyed by identity or is a user's class."""
     x = tf.ones([4, 2])
     made = [lambda p, c=c: c * p[:, :1] * tf.exp(-p[:, 1:2]) for c in (2.0, 2.0, 3.0)]
     a, b, c = (_digest(m, x) for m in made)
@@ -39,6 +42,12 @@ def test_digest_follows_the_model_options_and_shapes():
     assert _digest(lambda p: p * captured, x) is None
     variable = tf.Variable([1.0, 2.0])
     assert _digest(lambda p: p * variable, x) is None
+
+    assert _digest(lambda p: _scaled(p), x) is None   # a custom gradient
+    with spd.use_kernel("loop"):   # what the solve's trace reads
+        assert _digest(made[0], x) != a
+    monkeypatch.setattr(batched, "COMPACT_MIN_BATCH", 1024)
+    assert _digest(made[0], x) != a
 
     class Mine:
         pass
@@ -69,6 +78,7 @@ SCRIPT = """
 import json, sys
 import numpy as np, tensorflow as tf
 import tf_gradkit
+from tf_gradkit.core import spd
 from tf_gradkit.core.lm import module_store
 for i in range(int(sys.argv[1])):   # functions traced first move TF's function counter
     tf.function(lambda v, i=i: v + i).get_concrete_function(tf.constant(1.0))
@@ -114,13 +124,13 @@ def test_a_second_process_runs_the_stored_module(tmp_path):
     assert first["converged"]
     assert [m.rsplit(".", 1)[1] for m in modules] == ["json", "mlirbc"]
     assert len(programs) == 2   # the module's program and the usual one
-    # Same algorithm and HLO ops; the two lowering routes may round float32
-    # differently (a few ulp per step, amplified by the fits' conditioning of
-    # about 1e2): 1e-5 relative. Measured equal.
-    np.testing.assert_allclose(first["x"], first["usual"], rtol=1e-5)
+    assert first["x"] == first["usual"]   # XLA programs of the same ops
+    written = {m: os.stat(tmp_path / module_store.FOLDER / m).st_mtime_ns for m in modules}
     second, modules2, programs2 = run(25, 1.0)
     assert second["x"] == first["x"]   # the same program, loaded
     assert modules2 == modules and sorted(programs2) == sorted(programs)
+    assert written == {m: os.stat(tmp_path / module_store.FOLDER / m).st_mtime_ns
+                       for m in modules}   # read, not written again
     # Another model (the amplitude doubled): its own module, and its own fit
     # (the first module would put the amplitudes at twice the truth).
     other, modules3, _ = run(0, 2.0)
@@ -135,41 +145,109 @@ def _decay(t, p):
             + p[:, 2:3] * tf.exp(-p[:, 3:4] * t[None, :]))
 
 
+def _decay_jac(t, p):
+    a, b = tf.exp(-p[:, 1:2] * t[None, :]), tf.exp(-p[:, 3:4] * t[None, :])
+    return tf.stack([a, -p[:, 0:1] * t * a, b, -p[:, 2:3] * t * b], -1)
+
+
+@tf.custom_gradient
+def _scaled(v):
+    return 2.0 * v, lambda g: 2.0 * g
+
+
+def _data(batch, seed=1):
+    rng = np.random.default_rng(seed)
+    t = np.linspace(0, 4, 30)
+    truth = np.c_[rng.uniform(1, 2, batch), rng.uniform(0.2, 0.5, batch),
+                  rng.uniform(0.5, 1, batch), rng.uniform(1.5, 3, batch)]
+    y = _decay(tf.constant(t), tf.constant(truth)).numpy() + 0.01 * rng.normal(
+        size=(batch, 30))
+    return t, y, truth * 1.3, rng
+
+
+def _same_as_usual(monkeypatch, folder, call, files):
+    """``call()`` with modules kept in ``folder`` (``files`` files there
+    after it) and with none kept: the same results, to the bit."""
+    monkeypatch.setattr(module_store, "directory", lambda: str(folder))
+    stored = call()
+    assert len(os.listdir(folder)) == files, sorted(os.listdir(folder))
+    monkeypatch.setattr(module_store, "directory", lambda: None)
+    usual = call()
+    for field in ("x", "cost", "status", "covariance", "fun", "jac"):
+        a, b = getattr(stored, field), getattr(usual, field)
+        assert (a is None) == (b is None), field
+        if a is not None:
+            np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=field)
+    return stored
+
+
 def test_stored_modules_give_the_usual_compiled_results(tmp_path, monkeypatch):
     """In one process (the XLA cache itself off): a module run gives what
-    the usual compiled solve gives, bit for bit (measured; both are XLA's
-    program of the same HLO ops), through float64 bounds, full_output,
-    sigma, fixed parameters, a robust loss, a mask and least_squares_batched;
-    a residual function that captures a tensor is not stored and runs the
-    usual way."""
-    rng = np.random.default_rng(1)
-    t = np.linspace(0, 4, 30)
-    truth = np.c_[rng.uniform(1, 2, 40), rng.uniform(0.2, 0.5, 40),
-                  rng.uniform(0.5, 1, 40), rng.uniform(1.5, 3, 40)]
-    y = _decay(tf.constant(t), tf.constant(truth)).numpy() + 0.01 * rng.normal(size=(40, 30))
-    y32, t32, p32 = y.astype(np.float32), t.astype(np.float32), (truth * 1.3).astype(np.float32)
-    observed = tf.constant(y32)
-    mask = np.arange(30)[None, :] < rng.integers(20, 31, (40, 1))
-    cases = [
-        (lambda: tf_gradkit.curve_fit(
-            _decay, t, y, truth * 1.3, sigma=np.full(30, 0.5), bounds=(0, 10),
-            parameters_to_fit=[True, True, False, True], full_output=True,
-            jit_compile=True), 2),
-        (lambda: tf_gradkit.curve_fit(
-            _decay, t32, y32, p32, loss="cauchy", mask=mask,
-            jit_compile=True), 4),
-        (lambda: tf_gradkit.least_squares_batched(
-            lambda x: _decay(tf.constant(t32), x) - observed, p32, jit_compile=True), 4),
-    ]
+    the usual compiled solve gives, bit for bit (both are XLA programs of
+    the same ops; measured equal), through float64 bounds, full_output,
+    sigma and fixed parameters; per-fit `args` of least_squares_batched;
+    1,200 fits in two chunks of 600 (the compacted tail, two chunks in
+    flight). A corrupted entry is not run but written again. The usual
+    solve runs, and nothing is written, under a GradientTape and where the
+    folder cannot be made."""
+    t, y, p0, _ = _data(40)
     folder = tmp_path / module_store.FOLDER
-    for call, files in cases:
-        monkeypatch.setattr(module_store, "directory", lambda: str(folder))
-        stored = call()
-        assert len(os.listdir(folder)) == files
-        monkeypatch.setattr(module_store, "directory", lambda: None)
-        usual = call()
-        for field in ("x", "cost", "status", "covariance", "fun", "jac"):
-            a, b = getattr(stored, field), getattr(usual, field)
-            assert (a is None) == (b is None), field
-            if a is not None:
-                np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=field)
+
+    def bounded(model=_decay):
+        return tf_gradkit.curve_fit(
+            model, t, y, p0, sigma=np.full(30, 0.5), bounds=(0, 10),
+            parameters_to_fit=[True, True, False, True], full_output=True,
+            jit_compile=True)
+
+    _same_as_usual(monkeypatch, folder, bounded, 2)
+    t32, y32, p32 = t.astype(np.float32), y.astype(np.float32), p0.astype(np.float32)
+    _same_as_usual(monkeypatch, folder, lambda: tf_gradkit.least_squares_batched(
+        lambda x, obs: _decay(tf.constant(t32), x) - obs, p32, args=(y32,),
+        jit_compile=True), 4)
+    tb, yb, pb, _ = _data(1200, seed=2)
+    big = _same_as_usual(monkeypatch, folder, lambda: tf_gradkit.curve_fit(
+        _decay, tb, yb, pb, batch_size=600, jit_compile=True), 6)
+    assert np.all(big.converged.numpy())
+    monkeypatch.setattr(module_store, "directory", lambda: str(folder))
+    with tf.GradientTape():
+        bounded(lambda t, p: _decay(t, p))   # a new function: not yet stored
+    assert len(os.listdir(folder)) == 6
+    # Corrupted artifacts (as by a disk error) are not run: in a new process
+    # (nothing loaded) a function with the same graph writes its module again.
+    for name in os.listdir(folder):
+        if name.endswith(".mlirbc"):
+            path = folder / name
+            path.write_bytes(path.read_bytes()[:-10] + b"0123456789")
+    module_store._loaded.clear()
+    _same_as_usual(monkeypatch, folder, lambda: bounded(lambda t, p: _decay(t, p)), 6)
+    whole = []
+    for name in os.listdir(folder):
+        if name.endswith(".json"):
+            meta = json.loads((folder / name).read_text())
+            data = (folder / name.replace(".json", ".mlirbc")).read_bytes()
+            whole.append(meta["sha256"] == hashlib.sha256(data).hexdigest())
+    assert sorted(whole) == [False, False, True]
+    blocked = tmp_path / "a file"
+    blocked.write_text("")
+    monkeypatch.setattr(module_store, "directory", lambda: str(blocked / "modules"))
+    fit = bounded(lambda t, p: 1.0 * _decay(t, p))
+    assert np.all(fit.converged.numpy()) and blocked.is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::tf_gradkit.core.lm.fit_report.CovarianceWarning")
+def test_stored_modules_across_options(tmp_path, monkeypatch):
+    """Two calls that differ only in an option (the loss) get modules of
+    their own, each with the usual results; so do a mask, an analytic `jac`
+    with Poisson maximum likelihood."""
+    t, y, p0, rng = _data(40)
+    t32, y32, p32 = t.astype(np.float32), y.astype(np.float32), p0.astype(np.float32)
+    mask = np.arange(30)[None, :] < rng.integers(20, 31, (40, 1))
+    folder = tmp_path / module_store.FOLDER
+    for loss, files in (("cauchy", 2), ("soft_l1", 4)):
+        _same_as_usual(monkeypatch, folder, lambda loss=loss: tf_gradkit.curve_fit(
+            _decay, t32, y32, p32, loss=loss, mask=mask, jit_compile=True), files)
+    counts = np.random.default_rng(3).poisson(20 * y).astype(np.float64)
+    _same_as_usual(monkeypatch, folder, lambda: tf_gradkit.curve_fit(
+        lambda t, p: 20 * _decay(t, p), t, counts, p0, estimator="mle",
+        jac=lambda t, p: 20 * _decay_jac(t, p), jit_compile=True), 6)

@@ -580,7 +580,7 @@ def _stored(kind, fn, options_key, full_output, free, function, solve, args):
         return calls
 
     shapes = module_store.arguments(args)
-    if module_store.directory() is None or shapes is None:
+    if shapes is None or not module_store.usable():
         return solve
     found, _ = solve_cache.SOLVES.lookup(
         ("stored module", kind, function, options_key, full_output, free, shapes[1]),

@@ -15,7 +15,8 @@ What a module's key holds (`digest`), so that a module is used only where
 the traced solve would be the same program:
 
 - TensorFlow's version and a digest of tf_gradkit's source files (a changed
-  engine is a new key);
+  engine is a new key), and what the solve's trace reads from the engine's
+  modules besides (`trace_state`: their constants, the trace choices);
 - the solve's trace-time options (`fitting._options`'s key), only where they
   are plain data of tf_gradkit's own parts: a user's part class, or one
   keyed by identity, is never stored;
@@ -23,7 +24,8 @@ the traced solve would be the same program:
   and ``jac`` where given) traced at the chunk's shapes and at the compacted
   tail's: their ops, constants and attributes. A model that captures a
   tensor or variable is never stored (its values are not in the graph), nor
-  one that fails to trace there;
+  one with a custom gradient (its Python code is not), nor one that fails
+  to trace there;
 - each argument's shape and dtype, and the Python values among them.
 
 What it does not see: a model that builds other ops inside the solve than
@@ -32,23 +34,26 @@ solve's calls change, or that looks at its context: inside a loop, under
 forward-mode autodiff). Use ``TF_GRADKIT_XLA_CACHE=0`` for such a model,
 or delete the ``modules`` folder of the cache directory.
 
-Only on the CPU (no GPU visible) and only where the cache is on
-(`xla_cache.DIRECTORY`); anything that cannot be exported runs the usual
-compiled path.
+Only on the CPU (no GPU visible), only where the cache is on
+(`xla_cache.DIRECTORY`) and only in a plain context (`usable`); anything that
+cannot be exported or written runs the usual compiled path, and an entry
+whose artifact does not match its recorded digest is written again.
 """
 
 import hashlib
 import importlib
 import json
 import os
+import sys
 import threading
+import types
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.compiler.mlir.stablehlo import stablehlo as _stablehlo
-from tensorflow.compiler.tf2xla.ops import gen_xla_ops as _xla_ops
-from tensorflow.python.eager.polymorphic_function import atomic_function as _atomic
+from tensorflow.python.eager import context
+from tensorflow.python.eager import record
 
+from tf_gradkit.core import trace_choice
 from tf_gradkit.core import xla_cache
 from tf_gradkit.core.lm import solve_cache
 
@@ -56,15 +61,89 @@ from tf_gradkit.core.lm import solve_cache
 CALL_VERSION = 9
 FOLDER = "modules"
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_lock = threading.Lock()
+_lock = threading.RLock()
 _source = []
+_loaded = {}   # key -> StoredSolve: one named function per module and process
+
+
+def _tensorflow_parts():
+    """TensorFlow's modules this needs (private ones: imported when used, so
+    that a TensorFlow without them only goes without stored modules)."""
+    from tensorflow.compiler.mlir.stablehlo import stablehlo  # noqa: PLC0415
+    from tensorflow.compiler.tf2xla.ops import gen_xla_ops  # noqa: PLC0415
+    from tensorflow.python.eager.polymorphic_function import (  # noqa: PLC0415
+        atomic_function)
+    return stablehlo, gen_xla_ops, atomic_function
 
 
 def directory():
-    """Where modules are kept, or None when they are not (no cache, a GPU)."""
+    """Where modules are kept, or None when they are not (no cache, a GPU,
+    a TensorFlow without the parts)."""
     if xla_cache.DIRECTORY is None or tf.config.list_logical_devices("GPU"):
         return None
+    try:
+        _tensorflow_parts()
+    except ImportError:
+        return None
     return os.path.join(xla_cache.DIRECTORY, FOLDER)
+
+
+def usable():
+    """True where a call may use a stored module: modules are kept and the
+    call's context adds nothing a stored program would leave out (a tape or
+    forward accumulator recording it, op callbacks such as check_numerics,
+    functions run eagerly, a `tf.distribute` strategy)."""
+    return (directory() is not None and not tf.config.functions_run_eagerly()
+            and not record.could_possibly_record()
+            and not context.context().op_callbacks and not tf.distribute.has_strategy())
+
+
+def _engine_modules(root="tf_gradkit.core.lm.fitting"):
+    """The tf_gradkit modules the solve's code reaches from ``root`` (through
+    the modules, functions and classes each one names), sorted: a set that
+    depends on the code only, not on what else the process imported."""
+    seen, todo = set(), [root]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in sys.modules:
+            continue
+        seen.add(name)
+        for value in vars(sys.modules[name]).values():
+            other = (value.__name__ if isinstance(value, types.ModuleType)
+                     else getattr(value, "__module__", None)
+                     if isinstance(value, (type, types.FunctionType)) else None)
+            if isinstance(other, str) and other.startswith("tf_gradkit."):
+                todo.append(other)
+    return sorted(seen - {__name__})   # (this one's path is not the program's)
+
+
+def _simple(value):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    return isinstance(value, tuple) and all(_simple(v) for v in value)
+
+
+def trace_state():
+    """What the solve's trace reads besides its arguments and source: each
+    engine module's plain values (`COMPACT_MIN_BATCH`, ...), trace choices
+    (`spd.use_kernel`, `precision.use_split`: this thread's mode) and which
+    function or class each of its names is (a replaced one is another
+    program)."""
+    lines = []
+    for name in _engine_modules():
+        for attribute, value in sorted(vars(sys.modules[name]).items()):
+            if attribute.startswith("__"):
+                continue
+            if isinstance(value, trace_choice.TraceChoice):
+                text = f"choice {value.mode}"
+            elif isinstance(value, (type, types.FunctionType)):
+                text = f"{value.__module__}.{value.__qualname__}"
+            elif _simple(value):
+                text = repr(value)
+            else:
+                continue
+            lines.append(f"{name}.{attribute}={text}")
+    return "\n".join(lines)
 
 
 def source_digest():
@@ -132,9 +211,16 @@ def digest(options_key, probe, args):
         return None
     if traced.captured_inputs:
         return None
-    graph = traced.graph.as_graph_def().SerializeToString(deterministic=True)
+    graph_def = traced.graph.as_graph_def()
+    nodes = list(graph_def.node)
+    for function in graph_def.library.function:
+        nodes.extend(function.node_def)
+    if any("_gradient_op_type" in node.attr for node in nodes):
+        return None   # a custom gradient: its Python code is not in the graph
+    graph = graph_def.SerializeToString(deterministic=True)
     h = hashlib.sha256()
-    for part in (tf.__version__, source_digest(), repr(options_key), given[1]):
+    for part in (tf.__version__, source_digest(), trace_state(), repr(options_key),
+                 given[1]):
         h.update(part.encode())
         h.update(b"\0")
     h.update(graph)
@@ -174,7 +260,9 @@ def _decode(code, flat):
 
 class StoredSolve:
     """The stored module as a callable of the chunk's arguments (what the
-    traced solve takes), returning what it returns.
+    traced solve takes), returning what it returns; ``fallback`` (the usual
+    solve) runs instead where the module fails on its first call (the entry
+    is then removed).
 
     It runs as a function named after its key, not a ``tf.function``'s
     ``__inference_<name>_<counter>``: TensorFlow's persistent cache keys a
@@ -182,19 +270,20 @@ class StoredSolve:
     functions the process traced before."""
 
     def __init__(self, key, artifact, meta, tensors):
-        self.meta = meta
+        _, xla_ops, atomic = _tensorflow_parts()
+        self.key, self.meta, self.fallback, self._ran = key, meta, None, False
         shapes = [tf.TensorShape(s) for s in meta["shapes"]]
         dtypes = [tf.as_dtype(d) for d in meta["dtypes"]]
 
         def run(*tensors):
-            return _xla_ops.xla_call_module(
+            return xla_ops.xla_call_module(
                 args=list(tensors), version=CALL_VERSION, module=artifact,
                 Sout=shapes, Tout=dtypes, dim_args_spec=[], platforms=["CPU"],
                 function_list=[], has_token_input_output=False, disabled_checks=[])
 
         traced = tf.function(run, jit_compile=True, autograph=False).get_concrete_function(
             *[tf.TensorSpec(t.shape, t.dtype) for t in tensors])
-        self._run = _atomic.from_func_graph(
+        self._run = atomic.from_func_graph(
             f"tf_gradkit_module_{key[:32]}", traced.graph, dict(traced.function_def.attr),
             overwrite=True)
 
@@ -203,34 +292,69 @@ class StoredSolve:
         if given is None or given[1] != self.meta["arguments"]:
             raise ValueError("a stored module was called with other arguments: "
                              f"{given and given[1]!r}, not {self.meta['arguments']!r}")
-        return _decode(self.meta["outputs"], iter(self._run.call_flat(*given[0])))
+        if self._ran or self.fallback is None:
+            return _decode(self.meta["outputs"], iter(self._run.call_flat(*given[0])))
+        try:
+            out = _decode(self.meta["outputs"], iter(self._run.call_flat(*given[0])))
+        except (tf.errors.OpError, ValueError, StopIteration):
+            _remove(self.key)   # the usual solve: its result, or its own error
+            return self.fallback(*args)
+        self._ran = True
+        return out
 
 
 def _write(path, data):
     temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    with open(temporary, "wb") as f:
-        f.write(data)
-    os.replace(temporary, path)   # readers see the whole file or none
+    try:
+        with open(temporary, "wb") as f:
+            f.write(data)
+        os.replace(temporary, path)   # readers see the whole file or none
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+def _remove(key):
+    with _lock:
+        _loaded.pop(key, None)
+    for suffix in (".json", ".mlirbc"):
+        try:
+            os.remove(os.path.join(directory(), key + suffix))
+        except OSError:
+            pass
 
 
 def load(key, tensors):
-    """The stored solve of ``key`` (for arguments like ``tensors``), or None."""
-    folder = directory()
-    base = os.path.join(folder, key)
+    """The stored solve of ``key`` (for arguments like ``tensors``), or None
+    (no entry, or one that is not whole: its artifact's digest is checked)."""
+    base = os.path.join(directory(), key)
     try:
         with open(base + ".json", encoding="utf-8") as f:
             meta = json.load(f)
         with open(base + ".mlirbc", "rb") as f:
             artifact = f.read()
-    except (OSError, ValueError):
+        if (meta["key"] != key
+                or meta["sha256"] != hashlib.sha256(artifact).hexdigest()):
+            return None
+        return StoredSolve(key, artifact, meta, tensors)
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    return StoredSolve(key, artifact, meta, tensors)
+
+
+def _main_arguments(text):
+    """The count of the exported module's ``main`` arguments, or None."""
+    start = text.find("func.func @main(")
+    if start < 0:
+        start = text.find("func.func public @main(")
+    end = text.find(") ->", start)
+    return None if start < 0 or end < 0 else text.count("%arg", start, end)
 
 
 def export(solve, args, key):
     """Writes ``solve`` (a ``tf.function`` with ``jit_compile=True``) at
     ``args`` as the module of ``key``; returns the stored solve, or None
-    where it cannot be stored (then nothing is written)."""
+    where it cannot be stored (then nothing is left written)."""
+    stablehlo = _tensorflow_parts()[0]
     given = arguments(args)
     traced = solve.get_concrete_function(*args)   # a trace error is the user's
     if traced.captured_inputs or given is None:
@@ -238,28 +362,43 @@ def export(solve, args, key):
     try:
         outputs = _encode(traced.structured_outputs)
         text = solve.experimental_get_compiler_ir(*args)(stage="stablehlo")
-        artifact = _stablehlo.serialize_portable_artifact_str(
-            text, _stablehlo.get_current_version())
+        artifact = stablehlo.serialize_portable_artifact_str(
+            text, stablehlo.get_current_version())
     except Exception:  # noqa: BLE001 - not exportable: the usual compiled path
         return None
+    if _main_arguments(text) != len(given[0]):
+        return None   # an argument XLA took as a constant: not this module's call
     flat = [t for t in tf.nest.flatten(traced.structured_outputs) if t is not None]
-    meta = dict(arguments=given[1], outputs=outputs,
+    meta = dict(key=key, sha256=hashlib.sha256(artifact).hexdigest(),
+                arguments=given[1], outputs=outputs,
                 shapes=[t.shape.as_list() for t in flat],
                 dtypes=[t.dtype.name for t in flat])
-    folder = directory()
-    os.makedirs(folder, exist_ok=True)
-    base = os.path.join(folder, key)
-    _write(base + ".mlirbc", artifact)
-    _write(base + ".json", json.dumps(meta).encode())   # last: the entry is whole
+    base = os.path.join(directory(), key)
+    try:
+        os.makedirs(directory(), exist_ok=True)
+        _write(base + ".mlirbc", artifact)
+        _write(base + ".json", json.dumps(meta).encode())   # last: the entry is whole
+    except OSError:
+        _remove(key)
+        return None
     return StoredSolve(key, artifact, meta, given[0])
 
 
 def stored(solve, args, options_key, probe):
     """``solve``'s stored module (loaded, or exported now), or None where
-    modules are not kept or this solve cannot be one."""
-    if directory() is None:
+    modules are not kept or this solve cannot be one. One per key in a
+    process (a lock: its named function is registered once)."""
+    if not usable():
         return None
     key = digest(options_key, probe, args)
     if key is None:
         return None
-    return load(key, arguments(args)[0]) or export(solve, args, key)
+    with _lock:
+        found = _loaded.get(key)
+        if found is None:
+            found = load(key, arguments(args)[0]) or export(solve, args, key)
+            if found is None:
+                return None
+            _loaded[key] = found
+    found.fallback = solve
+    return found
