@@ -17,7 +17,19 @@ import tf_gradkit
 from tf_gradkit.core import spd
 from tf_gradkit.core.lm import batched, module_store, solve_cache
 
-pytestmark = pytest.mark.keras_free
+pytestmark = [pytest.mark.keras_free, pytest.mark.skipif(
+    bool(tf.config.list_logical_devices("GPU")),
+    reason="stored modules are kept on a CPU only (module_store.directory)")]
+
+
+@pytest.fixture(autouse=True)
+def _nothing_cached():
+    """Each test starts as a new process would: no solve or module cached."""
+    solve_cache.SOLVES.clear()
+    module_store._loaded.clear()
+    yield
+    solve_cache.SOLVES.clear()
+    module_store._loaded.clear()
 
 OPTIONS = ("curve", ("cholesky", 1e-8, "float32"), False, None)
 
@@ -29,7 +41,8 @@ def _digest(model, x, options=OPTIONS):
 def test_digest_follows_the_model_options_and_shapes(monkeypatch):
     """Equal for the same model made again (a lambda from one line), and
     different for another constant in the model, other options or another
-    shape, a trace choice or an engine constant; None (not stored) where the
+    shape, a trace choice or an engine constant; equal whatever the process
+    traced before a model that calls a tf.function; None (not stored) where the
     model captures a tensor or a variable or has a custom gradient, or an
     option is keyed by identity or is a user's class."""
     x = tf.ones([4, 2])
@@ -44,6 +57,14 @@ def test_digest_follows_the_model_options_and_shapes(monkeypatch):
     assert _digest(lambda p: p * variable, x) is None
 
     assert _digest(lambda p: _scaled(p), x) is None   # a custom gradient
+
+    def calling(c):   # a model that calls a tf.function (a library function)
+        inner = tf.function(lambda p: c * p)
+        return lambda p: inner(p)[:, :1] * tf.exp(-p[:, 1:2])
+    first = _digest(calling(2.0), x)
+    tf.function(lambda v: v + 1).get_concrete_function(tf.constant(1.0))
+    assert first is not None and _digest(calling(2.0), x) == first   # counters aside
+    assert _digest(calling(3.0), x) != first
     with spd.use_kernel("loop"):   # what the solve's trace reads
         assert _digest(made[0], x) != a
     monkeypatch.setattr(batched, "COMPACT_MIN_BATCH", 1024)
@@ -185,11 +206,11 @@ def test_stored_modules_give_the_usual_compiled_results(tmp_path, monkeypatch):
     """In one process (the XLA cache itself off): a module run gives what
     the usual compiled solve gives, bit for bit (both are XLA programs of
     the same ops; measured equal), through float64 bounds, full_output,
-    sigma and fixed parameters; per-fit `args` of least_squares_batched;
-    1,200 fits in two chunks of 600 (the compacted tail, two chunks in
-    flight). A corrupted entry is not run but written again. The usual
-    solve runs, and nothing is written, under a GradientTape and where the
-    folder cannot be made."""
+    sigma and fixed parameters; per-fit `args` of least_squares_batched. A
+    corrupted entry is not run but written again; one that fails
+    to run falls back on the usual solve and is removed. No module is looked
+    for under a GradientTape; nothing is written where the folder cannot be
+    made (the usual solve runs)."""
     t, y, p0, _ = _data(40)
     folder = tmp_path / module_store.FOLDER
 
@@ -204,29 +225,44 @@ def test_stored_modules_give_the_usual_compiled_results(tmp_path, monkeypatch):
     _same_as_usual(monkeypatch, folder, lambda: tf_gradkit.least_squares_batched(
         lambda x, obs: _decay(tf.constant(t32), x) - obs, p32, args=(y32,),
         jit_compile=True), 4)
-    tb, yb, pb, _ = _data(1200, seed=2)
-    big = _same_as_usual(monkeypatch, folder, lambda: tf_gradkit.curve_fit(
-        _decay, tb, yb, pb, batch_size=600, jit_compile=True), 6)
-    assert np.all(big.converged.numpy())
+    # Under a GradientTape no module is looked for (a spy on the key);
+    # without one, the same call is.
+    keyed, digest = [], module_store.digest
     monkeypatch.setattr(module_store, "directory", lambda: str(folder))
+    monkeypatch.setattr(module_store, "digest", lambda *a: keyed.append(a))
     with tf.GradientTape():
-        bounded(lambda t, p: _decay(t, p))   # a new function: not yet stored
-    assert len(os.listdir(folder)) == 6
-    # Corrupted artifacts (as by a disk error) are not run: in a new process
-    # (nothing loaded) a function with the same graph writes its module again.
-    for name in os.listdir(folder):
-        if name.endswith(".mlirbc"):
-            path = folder / name
-            path.write_bytes(path.read_bytes()[:-10] + b"0123456789")
-    module_store._loaded.clear()
-    _same_as_usual(monkeypatch, folder, lambda: bounded(lambda t, p: _decay(t, p)), 6)
-    whole = []
+        bounded(lambda t, p: _decay(t, p))
+    assert keyed == []
+    bounded(lambda t, p: _decay(t, p))
+    assert len(keyed) == 1 and len(os.listdir(folder)) == 4
+    monkeypatch.setattr(module_store, "digest", digest)
+    # In a new process (nothing loaded or cached): a corrupted artifact (as by
+    # a disk error) is not run but written again; a module that fails to run
+    # falls back on the usual solve, and its files are removed.
+    stems = {}
     for name in os.listdir(folder):
         if name.endswith(".json"):
-            meta = json.loads((folder / name).read_text())
-            data = (folder / name.replace(".json", ".mlirbc")).read_bytes()
-            whole.append(meta["sha256"] == hashlib.sha256(data).hexdigest())
-    assert sorted(whole) == [False, False, True]
+            arguments = json.loads((folder / name).read_text())["arguments"]
+            stems["float32" if "float32" in arguments else "bounded"] = (
+                folder / name[:-len(".json")])
+    assert sorted(stems) == ["bounded", "float32"]
+    path = stems["bounded"].with_suffix(".mlirbc")
+    path.write_bytes(path.read_bytes()[:-10] + b"0123456789")
+    solve_cache.SOLVES.clear()
+    module_store._loaded.clear()
+    _same_as_usual(monkeypatch, folder, bounded, 4)
+    assert json.loads(stems["bounded"].with_suffix(".json").read_text())["sha256"] == \
+        hashlib.sha256(path.read_bytes()).hexdigest()   # written again
+    decode = module_store._decode
+
+    def failing(*args):   # as a module TensorFlow cannot lower
+        raise tf.errors.InvalidArgumentError(None, None, "cannot lower")
+    monkeypatch.setattr(module_store, "_decode", failing)
+    _same_as_usual(monkeypatch, folder, lambda: tf_gradkit.least_squares_batched(
+        lambda x, obs: _decay(tf.constant(t32), x) - obs, p32, args=(y32,),
+        jit_compile=True), 2)
+    assert not stems["float32"].with_suffix(".json").exists()
+    monkeypatch.setattr(module_store, "_decode", decode)
     blocked = tmp_path / "a file"
     blocked.write_text("")
     monkeypatch.setattr(module_store, "directory", lambda: str(blocked / "modules"))
@@ -238,8 +274,10 @@ def test_stored_modules_give_the_usual_compiled_results(tmp_path, monkeypatch):
 @pytest.mark.filterwarnings("ignore::tf_gradkit.core.lm.fit_report.CovarianceWarning")
 def test_stored_modules_across_options(tmp_path, monkeypatch):
     """Two calls that differ only in an option (the loss) get modules of
-    their own, each with the usual results; so do a mask, an analytic `jac`
-    with Poisson maximum likelihood."""
+    their own, each with the usual results; so do a mask, 1,200 fits in two
+    chunks of 600 (the compacted tail, two chunks in flight), an analytic
+    `jac` with Poisson maximum likelihood (whose Jacobian calls library
+    functions)."""
     t, y, p0, rng = _data(40)
     t32, y32, p32 = t.astype(np.float32), y.astype(np.float32), p0.astype(np.float32)
     mask = np.arange(30)[None, :] < rng.integers(20, 31, (40, 1))
@@ -247,7 +285,11 @@ def test_stored_modules_across_options(tmp_path, monkeypatch):
     for loss, files in (("cauchy", 2), ("soft_l1", 4)):
         _same_as_usual(monkeypatch, folder, lambda loss=loss: tf_gradkit.curve_fit(
             _decay, t32, y32, p32, loss=loss, mask=mask, jit_compile=True), files)
+    tb, yb, pb, _ = _data(1200, seed=2)   # two chunks with the compacted tail
+    big = _same_as_usual(monkeypatch, folder, lambda: tf_gradkit.curve_fit(
+        _decay, tb, yb, pb, batch_size=600, jit_compile=True), 6)
+    assert np.all(big.converged.numpy())
     counts = np.random.default_rng(3).poisson(20 * y).astype(np.float64)
     _same_as_usual(monkeypatch, folder, lambda: tf_gradkit.curve_fit(
         lambda t, p: 20 * _decay(t, p), t, counts, p0, estimator="mle",
-        jac=lambda t, p: 20 * _decay_jac(t, p), jit_compile=True), 6)
+        jac=lambda t, p: 20 * _decay_jac(t, p), jit_compile=True), 8)

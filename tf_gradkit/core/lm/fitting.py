@@ -505,40 +505,42 @@ def _compiled(kind, fn, options, key, jit_compile, full_output, free, function):
     these options, from `solve_cache.SOLVES` (`least_squares`'s cache; the
     tf.function keeps one trace per chunk shape and dtype)."""
 
-    def build():
-        residuals_of = _residuals_of(kind, fn, free)
-
-        def chunk(x0, per_fit, shared, mask, lower, upper, full0, absolute):
-            residual_fn = residuals_of(per_fit, shared, mask, full0)
-
-            def rows_fn(rows):   # the residuals of the problems at ``rows``
-                def take(t):
-                    return None if t is None else tf.gather(t, rows)
-                return residuals_of(tf.nest.map_structure(take, per_fit), shared,
-                                    take(mask), take(full0))
-
-            box = (None if lower is None
-                   else batched_parts.BatchedBounds(lower, upper))
-            if mask is None:
-                n = residual_fn(x0).shape[1]
-                counts = tf.fill([x0.shape[0]], tf.constant(float(n), x0.dtype))
-            else:
-                counts = tf.reduce_sum(tf.cast(mask, x0.dtype), axis=1)
-            out = batched.solve(residual_fn, x0, options, counts, box, full_output,
-                                rows_fn)
-            r = out.factor
-            proven = None
-            if r.shape[-1] <= small.COLUMNS_MAX_PARAMS and r.shape[-2] == r.shape[-1]:
-                proven = small.proven_covariance(r, out.cost, counts, absolute)
-            return out, counts, proven
-
-        return tf.function(chunk, jit_compile=jit_compile, autograph=False)
-
     found, _ = solve_cache.SOLVES.lookup(
         ("least_squares_batched", kind, function, key, jit_compile, full_output,
          free),
-        build)
+        lambda: _chunk_solve(kind, fn, options, jit_compile, full_output, free))
     return found
+
+
+def _chunk_solve(kind, fn, options, jit_compile, full_output, free):
+    """A new ``tf.function`` of one chunk's solve (`_compiled` caches it)."""
+    residuals_of = _residuals_of(kind, fn, free)
+
+    def chunk(x0, per_fit, shared, mask, lower, upper, full0, absolute):
+        residual_fn = residuals_of(per_fit, shared, mask, full0)
+
+        def rows_fn(rows):   # the residuals of the problems at ``rows``
+            def take(t):
+                return None if t is None else tf.gather(t, rows)
+            return residuals_of(tf.nest.map_structure(take, per_fit), shared,
+                                take(mask), take(full0))
+
+        box = (None if lower is None
+               else batched_parts.BatchedBounds(lower, upper))
+        if mask is None:
+            n = residual_fn(x0).shape[1]
+            counts = tf.fill([x0.shape[0]], tf.constant(float(n), x0.dtype))
+        else:
+            counts = tf.reduce_sum(tf.cast(mask, x0.dtype), axis=1)
+        out = batched.solve(residual_fn, x0, options, counts, box, full_output,
+                            rows_fn)
+        r = out.factor
+        proven = None
+        if r.shape[-1] <= small.COLUMNS_MAX_PARAMS and r.shape[-2] == r.shape[-1]:
+            proven = small.proven_covariance(r, out.cost, counts, absolute)
+        return out, counts, proven
+
+    return tf.function(chunk, jit_compile=jit_compile, autograph=False)
 
 
 def _residuals_of(kind, fn, free):
@@ -552,10 +554,11 @@ def _residuals_of(kind, fn, free):
     return residuals_of
 
 
-def _stored(kind, fn, options_key, full_output, free, function, solve, args):
+def _stored(kind, fn, options, options_key, full_output, free, function, solve, args):
     """The compiled ``solve`` as a stored module (`module_store`), found or
     written once per process for these options and argument shapes, or
-    ``solve`` where modules are not kept."""
+    ``solve`` where modules are not kept. A module is written from a solve
+    traced now (`module_store.export`)."""
     residuals_of = _residuals_of(kind, fn, free)
 
     def probe(x0, per_fit, shared, mask, lower, upper, full0, absolute):
@@ -584,8 +587,9 @@ def _stored(kind, fn, options_key, full_output, free, function, solve, args):
         return solve
     found, _ = solve_cache.SOLVES.lookup(
         ("stored module", kind, function, options_key, full_output, free, shapes[1]),
-        lambda: module_store.stored(solve, args, (kind, options_key, full_output, free),
-                                    probe) or solve)
+        lambda: module_store.stored(
+            solve, lambda: _chunk_solve(kind, fn, options, True, full_output, free),
+            args, (kind, options_key, full_output, free), probe) or solve)
     return found
 
 
@@ -673,7 +677,8 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
             bar.update(min(start + size, batch))
 
     if jit_compile:   # a stored module where the XLA cache is on (module_store)
-        solve = _stored(kind, fn, key, full_output, free, function, solve, args_at(0))
+        solve = _stored(kind, fn, options, key, full_output, free, function, solve,
+                        args_at(0))
     # The first chunk alone (it traces and compiles, and may fall back).
     if may_fall_back:
         solved, plain = solve_cache.xla_or_plain(

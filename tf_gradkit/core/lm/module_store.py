@@ -22,7 +22,8 @@ the traced solve would be the same program:
   keyed by identity, is never stored;
 - the graph of the user's functions as the solve calls them (the residuals,
   and ``jac`` where given) traced at the chunk's shapes and at the compacted
-  tail's: their ops, constants and attributes. A model that captures a
+  tail's: their ops, constants and attributes, the functions they call
+  renamed in calling order (`_graph_bytes`). A model that captures a
   tensor or variable is never stored (its values are not in the graph), nor
   one with a custom gradient (its Python code is not), nor one that fails
   to trace there;
@@ -40,6 +41,7 @@ cannot be exported or written runs the usual compiled path, and an entry
 whose artifact does not match its recorded digest is written again.
 """
 
+import functools
 import hashlib
 import importlib
 import json
@@ -134,16 +136,24 @@ def trace_state():
         for attribute, value in sorted(vars(sys.modules[name]).items()):
             if attribute.startswith("__"):
                 continue
-            if isinstance(value, trace_choice.TraceChoice):
-                text = f"choice {value.mode}"
-            elif isinstance(value, (type, types.FunctionType)):
-                text = f"{value.__module__}.{value.__qualname__}"
-            elif _simple(value):
-                text = repr(value)
-            else:
-                continue
-            lines.append(f"{name}.{attribute}={text}")
+            text = _describe(value)
+            if isinstance(value, dict) and all(_simple(k) for k in value):
+                text = repr(sorted((repr(k), _describe(v)) for k, v in value.items()))
+            if text is not None:
+                lines.append(f"{name}.{attribute}={text}")
     return "\n".join(lines)
+
+
+def _describe(value):
+    """A text of an engine module's value that is the same in every process
+    where the value is, or None (not described: a mutable cache, say)."""
+    if isinstance(value, trace_choice.TraceChoice):
+        return f"choice {value.mode}"
+    if isinstance(value, (type, types.FunctionType)):
+        return f"{value.__module__}.{value.__qualname__}"
+    if isinstance(value, functools.partial):
+        return f"partial {_describe(value.func)} {value.args!r} {value.keywords!r}"
+    return repr(value) if _simple(value) else None
 
 
 def source_digest():
@@ -211,13 +221,9 @@ def digest(options_key, probe, args):
         return None
     if traced.captured_inputs:
         return None
-    graph_def = traced.graph.as_graph_def()
-    nodes = list(graph_def.node)
-    for function in graph_def.library.function:
-        nodes.extend(function.node_def)
-    if any("_gradient_op_type" in node.attr for node in nodes):
-        return None   # a custom gradient: its Python code is not in the graph
-    graph = graph_def.SerializeToString(deterministic=True)
+    graph = _graph_bytes(traced.graph.as_graph_def())
+    if graph is None:
+        return None
     h = hashlib.sha256()
     for part in (tf.__version__, source_digest(), trace_state(), repr(options_key),
                  given[1]):
@@ -225,6 +231,59 @@ def digest(options_key, probe, args):
         h.update(b"\0")
     h.update(graph)
     return h.hexdigest()
+
+
+def _graph_bytes(graph_def):
+    """``graph_def`` serialised with its library's functions renamed ``f0``,
+    ``f1``, ... in the order the graph first calls them (TensorFlow names
+    them with a counter of the process's traces), unreferenced ones left
+    out; None where the graph has a custom gradient (its Python code is not
+    in the graph)."""
+    functions = {f.signature.name: f for f in graph_def.library.function}
+    names = {}
+
+    def called(node):
+        found = [node.op] if node.op in functions else []
+        for value in node.attr.values():
+            found += [value.func.name] + [f.name for f in value.list.func]
+        return [f for f in found if f in functions]
+
+    def visit(nodes):
+        for node in nodes:
+            for name in called(node):
+                if name not in names:
+                    names[name] = f"f{len(names)}"
+                    visit(functions[name].node_def)
+
+    visit(graph_def.node)
+    if graph_def.library.gradient or any(
+            "_gradient_op_type" in node.attr for node in graph_def.node) or any(
+            "_gradient_op_type" in node.attr
+            for name in names for node in functions[name].node_def):
+        return None
+
+    def rename(node):
+        if node.op in names:
+            node.op = names[node.op]
+        for value in node.attr.values():
+            if value.func.name in names:
+                value.func.name = names[value.func.name]
+            for f in value.list.func:
+                if f.name in names:
+                    f.name = names[f.name]
+
+    out = type(graph_def)()
+    out.CopyFrom(graph_def)
+    del out.library.function[:]
+    for node in out.node:
+        rename(node)
+    for name in names:   # in the order first called
+        function = out.library.function.add()
+        function.CopyFrom(functions[name])
+        function.signature.name = names[name]
+        for node in function.node_def:
+            rename(node)
+    return out.SerializeToString(deterministic=True)
 
 
 def _encode(structure):
@@ -260,9 +319,7 @@ def _decode(code, flat):
 
 class StoredSolve:
     """The stored module as a callable of the chunk's arguments (what the
-    traced solve takes), returning what it returns; ``fallback`` (the usual
-    solve) runs instead where the module fails on its first call (the entry
-    is then removed).
+    traced solve takes), returning what it returns (`call`).
 
     It runs as a function named after its key, not a ``tf.function``'s
     ``__inference_<name>_<counter>``: TensorFlow's persistent cache keys a
@@ -271,7 +328,7 @@ class StoredSolve:
 
     def __init__(self, key, artifact, meta, tensors):
         _, xla_ops, atomic = _tensorflow_parts()
-        self.key, self.meta, self.fallback, self._ran = key, meta, None, False
+        self.key, self.meta, self.broken = key, meta, False
         shapes = [tf.TensorShape(s) for s in meta["shapes"]]
         dtypes = [tf.as_dtype(d) for d in meta["dtypes"]]
 
@@ -287,20 +344,34 @@ class StoredSolve:
             f"tf_gradkit_module_{key[:32]}", traced.graph, dict(traced.function_def.attr),
             overwrite=True)
 
-    def __call__(self, *args):
+    def call(self, args, fallback):
+        """The module's outputs for ``args``; where it fails, ``fallback(*args)``
+        (the usual solve: its result or its own error), and the module is not
+        run again in this process (its files are removed where the failure
+        points at them: a module TensorFlow cannot lower or run)."""
         given = arguments(args)
-        if given is None or given[1] != self.meta["arguments"]:
-            raise ValueError("a stored module was called with other arguments: "
-                             f"{given and given[1]!r}, not {self.meta['arguments']!r}")
-        if self._ran or self.fallback is None:
-            return _decode(self.meta["outputs"], iter(self._run.call_flat(*given[0])))
+        if self.broken or given is None or given[1] != self.meta["arguments"]:
+            return fallback(*args)
         try:
-            out = _decode(self.meta["outputs"], iter(self._run.call_flat(*given[0])))
-        except (tf.errors.OpError, ValueError, StopIteration):
-            _remove(self.key)   # the usual solve: its result, or its own error
-            return self.fallback(*args)
-        self._ran = True
-        return out
+            return _decode(self.meta["outputs"], iter(self._run.call_flat(*given[0])))
+        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError,
+                tf.errors.FailedPreconditionError, tf.errors.InternalError,
+                ValueError, StopIteration):
+            self.broken = True
+            _remove(self.key)
+        except tf.errors.OpError:
+            self.broken = True   # (out of memory, cancelled: the files may be good)
+        return fallback(*args)
+
+
+class _Bound:
+    """A `StoredSolve` with the usual solve of the caller's function."""
+
+    def __init__(self, stored, fallback):
+        self.stored, self.fallback = stored, fallback
+
+    def __call__(self, *args):
+        return self.stored.call(args, self.fallback)
 
 
 def _write(path, data):
@@ -315,12 +386,11 @@ def _write(path, data):
 
 
 def _remove(key):
-    with _lock:
-        _loaded.pop(key, None)
+    folder = directory()
     for suffix in (".json", ".mlirbc"):
         try:
-            os.remove(os.path.join(directory(), key + suffix))
-        except OSError:
+            os.remove(os.path.join(folder, key + suffix))
+        except (OSError, TypeError):
             pass
 
 
@@ -337,7 +407,7 @@ def load(key, tensors):
                 or meta["sha256"] != hashlib.sha256(artifact).hexdigest()):
             return None
         return StoredSolve(key, artifact, meta, tensors)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, tf.errors.OpError):
         return None
 
 
@@ -350,12 +420,17 @@ def _main_arguments(text):
     return None if start < 0 or end < 0 else text.count("%arg", start, end)
 
 
-def export(solve, args, key):
+def export(solve, build, args, key):
     """Writes ``solve`` (a ``tf.function`` with ``jit_compile=True``) at
-    ``args`` as the module of ``key``; returns the stored solve, or None
-    where it cannot be stored (then nothing is left written)."""
+    ``args`` as the module of ``key``, traced here, so that the module is the
+    program of this state (the key's): where ``solve`` has a trace already,
+    perhaps from another state, a new one from ``build()``. Returns the
+    stored solve, or None where it cannot be stored (then nothing is left
+    written)."""
     stablehlo = _tensorflow_parts()[0]
     given = arguments(args)
+    if solve.experimental_get_tracing_count():
+        solve = build()
     traced = solve.get_concrete_function(*args)   # a trace error is the user's
     if traced.captured_inputs or given is None:
         return None
@@ -364,15 +439,16 @@ def export(solve, args, key):
         text = solve.experimental_get_compiler_ir(*args)(stage="stablehlo")
         artifact = stablehlo.serialize_portable_artifact_str(
             text, stablehlo.get_current_version())
+        if _main_arguments(text) != len(given[0]):
+            return None   # an argument XLA took as a constant: not this call's
+        flat = [t for t in tf.nest.flatten(traced.structured_outputs) if t is not None]
+        meta = dict(key=key, sha256=hashlib.sha256(artifact).hexdigest(),
+                    arguments=given[1], outputs=outputs,
+                    shapes=[t.shape.as_list() for t in flat],
+                    dtypes=[t.dtype.name for t in flat])
+        found = StoredSolve(key, artifact, meta, given[0])
     except Exception:  # noqa: BLE001 - not exportable: the usual compiled path
         return None
-    if _main_arguments(text) != len(given[0]):
-        return None   # an argument XLA took as a constant: not this module's call
-    flat = [t for t in tf.nest.flatten(traced.structured_outputs) if t is not None]
-    meta = dict(key=key, sha256=hashlib.sha256(artifact).hexdigest(),
-                arguments=given[1], outputs=outputs,
-                shapes=[t.shape.as_list() for t in flat],
-                dtypes=[t.dtype.name for t in flat])
     base = os.path.join(directory(), key)
     try:
         os.makedirs(directory(), exist_ok=True)
@@ -381,12 +457,13 @@ def export(solve, args, key):
     except OSError:
         _remove(key)
         return None
-    return StoredSolve(key, artifact, meta, given[0])
+    return found
 
 
-def stored(solve, args, options_key, probe):
-    """``solve``'s stored module (loaded, or exported now), or None where
-    modules are not kept or this solve cannot be one. One per key in a
+def stored(solve, build, args, options_key, probe):
+    """``solve``'s stored module (loaded, or exported now: `export`) as a
+    callable that falls back on ``solve``, or None where modules are not
+    kept or this solve cannot be one. One module per key in a
     process (a lock: its named function is registered once)."""
     if not usable():
         return None
@@ -396,9 +473,13 @@ def stored(solve, args, options_key, probe):
     with _lock:
         found = _loaded.get(key)
         if found is None:
-            found = load(key, arguments(args)[0]) or export(solve, args, key)
+            found = load(key, arguments(args)[0]) or export(solve, build, args, key)
             if found is None:
                 return None
             _loaded[key] = found
-    found.fallback = solve
-    return found
+    return _Bound(found, solve)
+
+
+# The source read when the engine was imported, not when first used: a file
+# edited since (an editable install) is not the program this process runs.
+source_digest()
