@@ -103,6 +103,8 @@ EXPECT = {
     ("docs/batched_fits.md", "print(fit.x.numpy())          # [B, P]"): Check(
         lambda n, t: len(n) == 6 and all(abs(a - b) < 0.01 for a, b in zip(n, [3, .5, 3, 1, 3, 2])),
         "a [3, 2] array near the true (3, rate) of each fit (the data hold a 0.01 sin term)"),
+    ("docs/batched_fits.md", "print(runs[0] == runs[1], kept)   # True ['json', 'mlirbc']: "
+                             "the same fits, one module"): Text("True ['json', 'mlirbc']"),
     ("docs/batched_fits.md", "print(fit.converged.numpy(), fit.reason)           # [B] bool, [B] text"):
         Check(lambda n, t: t.startswith("[ True  True  True]") and len(_reasons(t)) == 3,
               "three converged fits, each with its stop reason"),

@@ -77,6 +77,34 @@ def test_digest_follows_the_model_options_and_shapes(monkeypatch):
     assert module_store.arguments((x, object())) is None
 
 
+def test_usable_only_in_a_plain_context(monkeypatch, tmp_path):
+    """Modules are looked for only where the cache is on and the call's
+    context adds nothing a stored program would leave out: not under a tape
+    or a forward accumulator, op callbacks (check_numerics), functions run
+    eagerly or a tf.distribute strategy."""
+    monkeypatch.setattr(module_store.xla_cache, "DIRECTORY", str(tmp_path))
+    assert module_store.usable()
+    with tf.GradientTape():
+        assert not module_store.usable()
+    with tf.autodiff.ForwardAccumulator(tf.constant(1.0), tf.constant(1.0)):
+        assert not module_store.usable()
+    with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+        assert not module_store.usable()
+    tf.config.run_functions_eagerly(True)
+    try:
+        assert not module_store.usable()
+    finally:
+        tf.config.run_functions_eagerly(False)
+    tf.debugging.enable_check_numerics()
+    try:
+        assert not module_store.usable()
+    finally:
+        tf.debugging.disable_check_numerics()
+    assert module_store.usable()
+    monkeypatch.setattr(module_store.xla_cache, "DIRECTORY", None)
+    assert not module_store.usable()
+
+
 def test_outputs_round_trip():
     """The output nest (named tuples of tf_gradkit, tuples, None) is written
     as JSON and rebuilt around the module's flat outputs; any other type is

@@ -676,18 +676,19 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
         if bar is not None:
             bar.update(min(start + size, batch))
 
+    first = args_at(0)
     if jit_compile:   # a stored module where the XLA cache is on (module_store)
         solve = _stored(kind, fn, options, key, full_output, free, function, solve,
-                        args_at(0))
+                        first)
     # The first chunk alone (it traces and compiles, and may fall back).
     if may_fall_back:
         solved, plain = solve_cache.xla_or_plain(
             solve, lambda: _compiled(kind, fn, options, key, False, full_output,
                                      free, function),
-            args_at(0), name, given, stacklevel=4)   # the user's curve_fit
+            first, name, given, stacklevel=4)   # the user's curve_fit
         solve = plain or solve
     else:
-        solved = solve(*args_at(0))
+        solved = solve(*first)
     outputs = [finish(0, solved)]
     done(0)
     if batch > size:   # the other chunks, two at a time where that changes nothing

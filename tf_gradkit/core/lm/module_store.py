@@ -63,8 +63,7 @@ from tf_gradkit.core.lm import solve_cache
 CALL_VERSION = 9
 FOLDER = "modules"
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_lock = threading.RLock()
-_source = []
+_lock = threading.Lock()   # guards `_loaded`
 _loaded = {}   # key -> StoredSolve: one named function per module and process
 
 
@@ -156,21 +155,23 @@ def _describe(value):
     return repr(value) if _simple(value) else None
 
 
-def source_digest():
-    """SHA-256 of tf_gradkit's Python files (paths and bytes), once per process."""
-    with _lock:
-        if not _source:
-            h = hashlib.sha256()
-            for root, dirs, files in os.walk(_PACKAGE):
-                dirs.sort()
-                for name in sorted(files):
-                    if name.endswith(".py"):
-                        path = os.path.join(root, name)
-                        h.update(os.path.relpath(path, _PACKAGE).encode())
-                        with open(path, "rb") as f:
-                            h.update(f.read())
-            _source.append(h.hexdigest())
-    return _source[0]
+def _source_digest():
+    """SHA-256 of tf_gradkit's Python files (paths and bytes)."""
+    h = hashlib.sha256()
+    for root, dirs, files in os.walk(_PACKAGE):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                h.update(os.path.relpath(path, _PACKAGE).encode())
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()
+
+
+# The source read when the engine was imported, not when first used: a file
+# edited since (an editable install) is not the program this process runs.
+SOURCE_DIGEST = _source_digest()
 
 
 def _plain(token):
@@ -225,7 +226,7 @@ def digest(options_key, probe, args):
     if graph is None:
         return None
     h = hashlib.sha256()
-    for part in (tf.__version__, source_digest(), trace_state(), repr(options_key),
+    for part in (tf.__version__, SOURCE_DIGEST, trace_state(), repr(options_key),
                  given[1]):
         h.update(part.encode())
         h.update(b"\0")
@@ -478,8 +479,3 @@ def stored(solve, build, args, options_key, probe):
                 return None
             _loaded[key] = found
     return _Bound(found, solve)
-
-
-# The source read when the engine was imported, not when first used: a file
-# edited since (an editable install) is not the program this process runs.
-source_digest()
