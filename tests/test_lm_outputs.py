@@ -92,7 +92,16 @@ def hand_squared(weights):
 
 # -- 1. loss_weights by output name -----------------------------------------
 
-@pytest.mark.parametrize("as_dict", [False, True], ids=["list", "dict"])
+# Outputs as a list eagerly, as a dict under XLA by default; the other two
+# pairs (the same oracle) under `make test-slow`.
+@pytest.mark.parametrize("mode,as_dict", [
+    ("eager", False), ("jit", True),
+    pytest.param("eager", True, marks=pytest.mark.slow),
+    pytest.param("jit", False, marks=pytest.mark.slow),
+    pytest.param("function", False, marks=pytest.mark.slow),
+    pytest.param("function", True, marks=pytest.mark.slow)], ids=[
+    "eager-list", "jit-dict", "eager-dict", "jit-list", "function-list",
+    "function-dict"])
 def test_loss_weights_dict_is_applied_by_output_name(K, gk, mode, as_dict):
     x, y1, y2 = data()
     y = {"o1": y1, "o2": y2} if as_dict else [y1, y2]
@@ -142,6 +151,10 @@ def _stationary(K, gk, mode, loss, activations=(None, None), targets=None, epoch
     return model, history, x, y
 
 
+# Eagerly (slow): test_the_step_linearises_the_compiled_loss[from-logits]
+# reads the same per-output from_logits from an eager step.
+@pytest.mark.parametrize("mode", [pytest.param("eager", marks=pytest.mark.slow),
+                                  pytest.param("function", marks=pytest.mark.slow), "jit"])
 def test_from_logits_is_read_per_output(K, gk, mode):
     # o1 outputs probabilities (sigmoid), o2 logits: each loss says which.
     loss = [K.losses.BinaryCrossentropy(), K.losses.BinaryCrossentropy(from_logits=True)]
@@ -155,13 +168,17 @@ def test_from_logits_is_read_per_output(K, gk, mode):
 
 # -- 3. cross-entropies on several outputs ------------------------------------
 
+# Eagerly (slow): the jit case's reference and control fit eagerly.
+@pytest.mark.parametrize("mode", [pytest.param("eager", marks=pytest.mark.slow),
+                                  pytest.param("function", marks=pytest.mark.slow), "jit"])
 @pytest.mark.filterwarnings("ignore:.*from_logits=True:UserWarning")
 def test_two_sigmoid_heads_step_as_one_dense2_output(K, gk, mode):
     x, y1, y2 = data()
     labels = np.concatenate([y1 > 1, y2[:, :1] > 0], 1).astype(F64)
     inputs = K.Input((3,), dtype=F64)
     joined = K.Model(inputs, K.layers.Dense(2, activation="sigmoid", dtype=F64)(inputs))
-    compile_lm(K, gk, joined, mode, "binary_crossentropy")
+    # The reference eagerly (one XLA compilation fewer; float64 either way).
+    compile_lm(K, gk, joined, "eager", "binary_crossentropy")
     split = two_outputs(K, widths=(1, 1), activations=("sigmoid", "sigmoid"), trunk=False)
     kernel, bias = (v.numpy() for v in joined.trainable_variables)
     for v, w in zip(split.trainable_variables,
@@ -198,7 +215,14 @@ def test_two_sigmoid_heads_step_as_one_dense2_output(K, gk, mode):
 
 # -- 4. mixed losses ------------------------------------------------------------
 
-@pytest.mark.parametrize("case", ["mse+huber", "mse+bce"])
+# Huber eagerly and the cross-entropy under XLA by default; the other pairs
+# (the same stationary-point oracle) under `make test-slow`.
+@pytest.mark.parametrize("mode,case", [
+    ("eager", "mse+huber"), ("jit", "mse+bce"),
+    pytest.param("jit", "mse+huber", marks=pytest.mark.slow),
+    pytest.param("eager", "mse+bce", marks=pytest.mark.slow),
+    pytest.param("function", "mse+huber", marks=pytest.mark.slow),
+    pytest.param("function", "mse+bce", marks=pytest.mark.slow)])
 def test_mixed_outputs_reach_the_compiled_losss_stationary_point(K, gk, mode, case):
     if case == "mse+huber":
         loss, acts, targets = ["mse", K.losses.Huber(0.3)], (None, None), None
@@ -332,6 +356,9 @@ def _started(K, gk, mode, start=None, widths=(1, 2), **kwargs):
     return model
 
 
+# Eagerly (slow): the jit case's unchunked reference and control run eagerly.
+@pytest.mark.parametrize("mode", [pytest.param("eager", marks=pytest.mark.slow),
+                                  pytest.param("function", marks=pytest.mark.slow), "jit"])
 def test_chunks_take_per_output_sample_weights_output_by_output(K, gk, mode):
     # chunk_size sums J^T J chunk by chunk: with one sample weight array per
     # output each chunk takes its rows of each array (they were stacked
@@ -340,7 +367,8 @@ def test_chunks_take_per_output_sample_weights_output_by_output(K, gk, mode):
     x, y1, y2 = data()
     rng = np.random.RandomState(2)
     sw = [rng.uniform(0.2, 2.0, len(x)), rng.uniform(0.2, 2.0, len(x))]
-    whole = _started(K, gk, mode)
+    # The unchunked reference eagerly (float64: the same sums to round-off).
+    whole = _started(K, gk, "eager")
     start = weights_of(whole)
     fit(whole, x, [y1, y2], 2, sample_weight=sw)
 
@@ -358,6 +386,9 @@ def test_chunks_take_per_output_sample_weights_output_by_output(K, gk, mode):
     assert not all(np.allclose(g, w, rtol=1e-3) for g, w in zip(wrong, weights_of(whole)))
 
 
+# Eagerly (slow): the jit case's control reads a dict of targets eagerly.
+@pytest.mark.parametrize("mode", [pytest.param("eager", marks=pytest.mark.slow),
+                                  pytest.param("function", marks=pytest.mark.slow), "jit"])
 def test_targets_as_a_dict_by_output_name_for_list_outputs(K, gk, mode):
     # Plain fit reads a dict of targets by output name for a model whose
     # outputs are a list; LM must read it so too (Keras 3 refused it).
@@ -389,7 +420,7 @@ def test_mirrored_two_outputs_with_loss_weights_by_name_equal_one_device(K, gk, 
     # float64 sums (a well-conditioned 17-parameter system: 1e-8 relative
     # leaves orders of magnitude above the round-off).
     x, y1, y2 = data()
-    ref = _started(K, gk, "function")
+    ref = _started(K, gk, "eager")  # the reference: float64 either way
     start = weights_of(ref)
     with mirrored.scope():
         model = _started(K, gk, "function", start)

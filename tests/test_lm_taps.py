@@ -12,7 +12,7 @@ from tf_gradkit.core.lm import linearize as lin_lib
 from tf_gradkit.core.lm.linear_solvers import ConjugateGradient
 from tf_gradkit.gradients import tapped_jacobian
 
-from conftest import compile_fn
+from conftest import compile_fn, mode_with_function_slow
 from helpers import float32_matmuls, weights_of
 
 
@@ -22,6 +22,11 @@ def _float32_products():
     # TF32 (a GPU's default) both sides' products round differently.
     with float32_matmuls():
         yield
+
+
+# "function" (tf.function without XLA) under `make test-slow` only: the one
+# default test taking `mode` keeps "jit", the graph-mode run of the same check.
+mode = mode_with_function_slow()
 
 
 def _tf_vars(variables):
@@ -163,13 +168,16 @@ def _one_step(K, mode, loss="mse", outputs=1, sample_weight=None, masks=False,
               atol=None, **kwargs):
     """One fit step with the taps and one by autodiff: equal to within
     ``atol(model, x, y)`` at the starting weights (default: float64
-    round-off, ``1e-8`` times the step's size)."""
+    round-off, ``1e-8`` times the step's size). The autodiff reference runs
+    eagerly (one XLA compilation fewer, the same float64 math), except with
+    a ``subset``: a random subset is drawn by each mode's own generator."""
     x, y, build = _problem(K, loss, outputs)
     results = []
-    for linearization in ("auto", "autodiff"):
+    reference = mode if "subset" in kwargs else "eager"
+    for linearization, run in (("auto", mode), ("autodiff", reference)):
         model, opt = build(linearization=linearization, **kwargs)
-        model.compile(optimizer=opt, loss=loss, run_eagerly=mode == "eager",
-                      jit_compile=mode == "jit")
+        model.compile(optimizer=opt, loss=loss, run_eagerly=run == "eager",
+                      jit_compile=run == "jit")
         if masks:
             from test_lm_support import give_masks  # noqa: PLC0415
             mask = (np.random.RandomState(2).rand(3, 5) < 0.5).astype("float64")

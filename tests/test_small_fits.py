@@ -284,7 +284,8 @@ def _spy_problems(monkeypatch):
     return built
 
 
-@pytest.mark.parametrize("solver", ["auto", "qr"])
+@pytest.mark.parametrize("solver", [
+    "auto", pytest.param("qr", marks=pytest.mark.slow)])   # "qr": a second compile pair
 def test_compacted_tail_takes_the_same_steps(monkeypatch, solver):
     """When at most 1/16 of a chunk's fits still run, they go on gathered in
     a batch that size (`batched.COMPACT_FRACTION`): each fit ends exactly as
@@ -390,7 +391,8 @@ def test_compaction_gathers_each_fits_data(monkeypatch, case):
     """The compacted tail rebuilds the residuals from the gathered rows of
     every per-fit input: `least_squares_batched`'s ``args``, ``mask`` and
     per-fit ``bounds``; `curve_fit`'s per-fit ``sigma`` and, with
-    ``parameters_to_fit``, the fixed values. Each fit ends as in the loop
+    ``parameters_to_fit``, the fixed values (with ``solver="qr"``, whose
+    gathered state holds the Jacobian). Each fit ends as in the loop
     over the whole chunk (float64: status and iterations equal, x to
     round-off), and the compacted loop was built (that a tail runs in it is
     shown by test_compacted_tail_takes_the_same_steps)."""
@@ -417,7 +419,8 @@ def test_compaction_gathers_each_fits_data(monkeypatch, case):
         return tf_gradkit.curve_fit(
             lambda t, p: p[:, 0:1] * tf.exp(-p[:, 1:2] * t) + p[:, 2:3], t, y,
             x0 + np.c_[np.zeros((b, 2)), np.linspace(0.4, 0.6, b)], sigma=sigma,
-            parameters_to_fit=[1, 1, 0], ftol=1e-12, batch_size=b, jit_compile=True)
+            parameters_to_fit=[1, 1, 0], ftol=1e-12, batch_size=b, jit_compile=True,
+            solver="qr")   # the gathered state then holds the Jacobian too
 
     built = _spy_problems(monkeypatch)
     rng_state = rng.bit_generator.state
