@@ -339,7 +339,7 @@ def test_mirrored_strategy_fit_equals_single_device(K, gk, mirrored):
             opt = gk.AugmentedLagrangian(K.optimizers.SGD(0.05), specs, model=model,
                                          max_penalty=10.0, dual_every=4)
             model.compile(optimizer=opt, loss="mse")
-        model.fit(x, t, batch_size=32, epochs=15 if output_cap else 30,
+        model.fit(x, t, batch_size=32, epochs=8 if output_cap else 15,
                   shuffle=False, verbose=0)
         return model, {k: float(v) for k, v in opt.metrics().items()}
 
