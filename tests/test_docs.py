@@ -69,7 +69,10 @@ for name, code, continues, next_continues in blocks:
         result = traceback.format_exc()[-3000:]
     if not next_continues:
         tf.keras.mixed_precision.set_global_policy("float32")
-        tf.keras.backend.clear_session()
+        import inspect   # Keras 3's clear_session without its full gc.collect()
+        clear = tf.keras.backend.clear_session
+        clear(**({"free_memory": False} if "free_memory" in inspect.signature(clear).parameters
+                 else {}))
     sys.stdout.flush()
     builtins.print("@@DOCS@@" + json.dumps([name, result, printed, time.perf_counter() - start]),
                    flush=True)
