@@ -79,7 +79,8 @@ KERAS_FREE_BESIDE_TF_KERAS := tests/test_nist.py tests/test_lm_trust_region.py \
 	tests/test_precision.py tests/test_scipy_curve_fit.py tests/test_gpufit_conformance.py \
 	tests/test_loop_data.py
 
-# Each side runs its files in two processes, one after the other: a process's
+# Each side runs its files in processes one after the other (two halves; the
+# Keras 3 side's first half split again, below): a process's
 # heap grows with every model and traced function its tests leave behind (7 GB
 # by the end of one Keras 3 process), and so does the cost of each test in it.
 # The Keras 3 side's first half runs as two processes (a-e, f-k): in one, the
