@@ -687,22 +687,31 @@ def _guard_model(K, seed=0):
 
 
 def test_minibatch_guard_keeps_small_batches_from_collapsing(K, gk):
-    """Batches of 48 (fewer residuals than parameters), 40 epochs under fit.
-    Without the guard each step fits its own batch, lambda sinks and the
-    training MSE ends 0.35-0.78 over seeds 0-3 in both flavours; with it
-    0.08-0.22 (worst ratio 0.50 of the unguarded run). 0.75 leaves margin."""
+    """Batches of 48 (fewer residuals than parameters), 20 epochs under fit,
+    two seeds pooled. Without the guard each step fits its own batch, lambda
+    sinks and the training MSE ends 0.24-0.66 over seeds 0-5; with it
+    0.07-0.21. One seed alone is a chaotic training's outcome: a change of
+    round-off (XLA's CPU emitters) moved seed 0 at 40 epochs from a ratio of
+    0.49 to 0.77, and its final damping from 5x to 0.9x the unguarded one.
+    Pooled over seeds 0 and 1 (both flavours, both emitters) the MSE ratio
+    was 0.19-0.43 (0.75 leaves margin) and the geometric mean of the damping
+    ratios 5.6-12.7 (single seeds 1.6-16.5; 2 leaves margin)."""
     x, y = _guard_data()
-    results = {}
-    for guard in (True, False):
-        model = _guard_model(K)
-        opt = gk.LevenbergMarquardt(model, minibatch_guard=guard)
-        model.compile(optimizer=opt, loss="mse", jit_compile=True)
-        model.fit(x, y, batch_size=48, epochs=40, verbose=0, shuffle=True)
-        mse = float(np.mean((model.predict(x, verbose=0) - y) ** 2))
-        results[guard] = (mse, float(opt.damping))
-    assert results[True][0] < 0.75 * results[False][0], results
-    # The unguarded damping sank 10-100x below the guarded one.
-    assert results[True][1] > 3 * results[False][1], results
+    mse = {True: 0.0, False: 0.0}
+    damping = {True: [], False: []}
+    for seed in (0, 1):
+        for guard in (True, False):
+            model = _guard_model(K, seed)
+            opt = gk.LevenbergMarquardt(model, minibatch_guard=guard)
+            model.compile(optimizer=opt, loss="mse", jit_compile=True)
+            model.fit(x, y, batch_size=48, epochs=20, verbose=0, shuffle=True)
+            mse[guard] += float(np.mean((model.predict(x, verbose=0) - y) ** 2))
+            damping[guard].append(float(opt.damping))
+    assert np.isfinite(list(mse.values())).all(), mse
+    assert mse[True] < 0.75 * mse[False], (mse, damping)
+    # The unguarded damping sank below the guarded one.
+    ratios = np.array(damping[True]) / np.array(damping[False])
+    assert np.exp(np.mean(np.log(ratios))) > 2, (mse, damping)
 
 
 @pytest.mark.parametrize("mode", [pytest.param("eager", marks=pytest.mark.slow), "jit"])

@@ -690,6 +690,19 @@ def test_non_finite_x0_is_refused(x0):
         solve_eagerly(fun_trivial, [x0])
 
 
+@pytest.mark.parametrize("x0", [np.inf, np.nan])
+def test_non_finite_x0_refused_on_a_repeated_call_leaves_the_variable(x0):
+    # Without bounds the solve itself finds the start not finite (no eager
+    # read of the variables before it): the refusal still names the
+    # parameter, first and from the cached solve, and the variable keeps
+    # its value.
+    var = tf.Variable([1.0, x0], dtype=tf.float64)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"var_list\[0\].*holds .* at flat index 1"):
+            tf_gradkit.least_squares(lambda: var - 1.0, [var], jit_compile=False)
+        np.testing.assert_array_equal(var.numpy(), [1.0, x0])
+
+
 def test_non_finite_residuals_at_the_start_are_refused():
     with pytest.raises(ValueError, match="not finite at the start"):
         solve_eagerly(lambda x: 1.0 / (x - 2.0), [2.0])

@@ -253,10 +253,10 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
     xtol = eps ** 0.75 if xtol is None else xtol
     ftol = 4 * eps if ftol is None else ftol
     num_params = sum(v.shape.num_elements() for v in var_list)
-    if tf.executing_eagerly():
-        _check_finite_start(var_list)
     box = None
-    if bounds is not None:
+    if bounds is not None:   # checked before the solve, which clips the start
+        if tf.executing_eagerly():
+            _check_finite_start(var_list)
         box = bounds_lib.Bounds.from_argument(bounds, var_list, dtype)
         if tf.executing_eagerly():
             box.check_feasible(lin_lib.flatten(var_list, dtype).numpy())
@@ -286,8 +286,7 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
         return _finish(whole_solve.solve(problem, tolerances, box, phases,
                                          with_covariance))
 
-    tolerances = whole_solve.Tolerances(*(tf.constant(t, dtype)
-                                          for t in (gtol, xtol, ftol)))
+    tolerances = _tolerance_tensors(dtype, gtol, xtol, ftol)
     record = None   # "auto"'s count of this solve's calls (`AUTO_XLA_CALLS`)
     if not tf.executing_eagerly():
         out = build(residual_fn, tolerances, box, with_covariance=True)
@@ -320,6 +319,9 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
     (it, code, damping, cost, optimality, cosine, x, fun, jac, grad, mask, cov,
      stopped_by, converged, undetermined) = out[:15]
     if tf.executing_eagerly() and int(code) == StopReason.NON_FINITE_START:
+        # Without bounds the solve itself tests the start (it stops before a
+        # step, the variables as they were): the parameters named first.
+        _check_finite_start(var_list)
         raise ValueError(
             "least_squares: the residuals of `residual_fn` are not finite at the "
             "start (as scipy: 'Residuals are not finite in the initial point'). "
@@ -388,8 +390,9 @@ def _compile(build, residual_fn, inputs, jit_compile):
         return build(traced_fn, whole_solve.Tolerances(gtol, xtol, ftol), box,
                      with_covariance=not jit_compile)
 
-    compiled = tf.function(solve, jit_compile=jit_compile, autograph=False,
-                           input_signature=[solve_cache.input_spec(t) for t in inputs])
+    compiled = solve_cache.OneSignature(tf.function(
+        solve, jit_compile=jit_compile, autograph=False,
+        input_signature=[solve_cache.input_spec(t) for t in inputs]))
     if not jit_compile:
         return compiled
     def finished_covariance(jac, cost, code):
@@ -508,6 +511,28 @@ def _check_tolerances(tolerances, eps, dtype):
             "only stop at the iteration limit (as scipy); pass None for a "
             "default. Received: " + ", ".join(f"{k}={v!r}" for k, v in
                                                tolerances.items()))
+
+
+def _tolerance_tensors(dtype, gtol, xtol, ftol):
+    """`whole_solve.Tolerances` of scalar tensors; eagerly, for Python
+    numbers, the same tensors again on a repeated call (`_TOLERANCES`:
+    three ``tf.constant`` calls are about 0.04 ms of a repeated small fit)."""
+    values = (gtol, xtol, ftol)
+    key = None
+    if tf.executing_eagerly() and all(type(t) in (float, int) for t in values):
+        key = (dtype.name,) + values
+        found = _TOLERANCES.get(key)
+        if found is not None:
+            return found
+    tolerances = whole_solve.Tolerances(*(tf.constant(t, dtype) for t in values))
+    if key is not None:
+        if len(_TOLERANCES) >= 64:
+            _TOLERANCES.clear()
+        _TOLERANCES[key] = tolerances
+    return tolerances
+
+
+_TOLERANCES = {}   # (dtype name, gtol, xtol, ftol) -> Tolerances (eager tensors)
 
 
 def _check_finite_start(var_list):
