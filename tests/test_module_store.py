@@ -214,18 +214,9 @@ def _data(batch, seed=1):
     return t, y, truth * 1.3, rng
 
 
-# XLA's older CPU emitters (`make test` sets this flag for compile time)
-# compile the module's and the usual solve's covariance differently: the
-# same up to round-off (measured 7.7e-16 relative, one rounding in a P x P
-# inverse), not to the bit. Every other field stays equal to the bit, and
-# with XLA's default emitters, the user's default, so does the covariance.
-OLDER_EMITTERS = "--xla_cpu_use_fusion_emitters=false" in os.environ.get("XLA_FLAGS", "")
-
-
 def _same_as_usual(monkeypatch, folder, call, files):
     """``call()`` with modules kept in ``folder`` (``files`` files there
-    after it) and with none kept: the same results, to the bit (the
-    covariance to round-off under `OLDER_EMITTERS`)."""
+    after it) and with none kept: the same results, to the bit."""
     monkeypatch.setattr(module_store, "directory", lambda: str(folder))
     stored = call()
     assert len(os.listdir(folder)) == files, sorted(os.listdir(folder))
@@ -234,12 +225,7 @@ def _same_as_usual(monkeypatch, folder, call, files):
     for field in ("x", "cost", "status", "covariance", "fun", "jac"):
         a, b = getattr(stored, field), getattr(usual, field)
         assert (a is None) == (b is None), field
-        if a is None:
-            continue
-        if field == "covariance" and OLDER_EMITTERS:
-            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-14, atol=0,
-                                       err_msg=field)
-        else:
+        if a is not None:
             np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=field)
     return stored
 
