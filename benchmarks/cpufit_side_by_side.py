@@ -55,6 +55,25 @@ def load(directory):
     return meta, data, p0, np.stack([x.ravel(), y.ravel()]).astype(np.float32)
 
 
+def generated(side, fits, seed=0):
+    """``(xy, y, p0)``, float32: Gpufit's 2-D Gaussian made here as its
+    driver makes it (amplitude 500, centred, width 1 on 5x5 and 2 else,
+    offset 10, each times U(0.9, 1.1); signal-to-noise 10; starts the truth
+    times U(0.9, 1.1)), for scripts that run without the driver."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:side, 0:side].astype(np.float32)
+    xy = np.stack([xx.ravel(), yy.ravel()])
+    width = 1.0 if side == 5 else 2.0
+    middle = side / 2 - 0.5
+    truth = np.array([500, middle, middle, width, 10], np.float32) * rng.uniform(
+        0.9, 1.1, (fits, 5)).astype(np.float32)
+    spread = 2 * np.pi * 500 * width ** 2 / (4.292 * width) ** 2 / 10   # SNR 10
+    y = (gaussian(xy, truth).numpy() + rng.normal(0, spread, (fits, side * side))
+         ).astype(np.float32)
+    p0 = (truth * rng.uniform(0.9, 1.1, truth.shape)).astype(np.float32)
+    return xy, y, p0
+
+
 def run_cpufit(driver, side, n, directory):
     out = subprocess.run([driver, "--size", str(side), "--n-max", str(n), "--sizes",
                           str(n), "--repeats", "2", "--out", directory],

@@ -62,18 +62,7 @@ def gaussian_case(side, fits, data=None, seed=0):
         _, y, p0, xy = cpufit_side_by_side.load(data)
         y, p0 = y[:fits], p0[:fits]
     else:
-        rng = np.random.default_rng(seed)
-        yy, xx = np.mgrid[0:side, 0:side].astype(np.float32)
-        xy = np.stack([xx.ravel(), yy.ravel()])
-        width = 1.0 if side == 5 else 2.0
-        middle = side / 2 - 0.5
-        truth = np.array([500, middle, middle, width, 10], np.float32) * rng.uniform(
-            0.9, 1.1, (fits, 5)).astype(np.float32)
-        spread = 2 * np.pi * 500 * width ** 2 / (4.292 * width) ** 2 / 10   # SNR 10
-        y = (gaussian(xy, truth).numpy() + rng.normal(0, spread, (fits, side * side))
-             ).astype(np.float32)
-        p0 = (truth * rng.uniform(0.9, 1.1, truth.shape)).astype(np.float32)
-
+        xy, y, p0 = cpufit_side_by_side.generated(side, fits, seed)
     def call():
         return tf_gradkit.curve_fit(gaussian, xy, y, p0, ftol=1e-4, max_iterations=10,
                                     jit_compile=True)

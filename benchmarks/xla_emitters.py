@@ -14,7 +14,8 @@ older, then the older first...):
           3 parameters, float64: `lsq_latency.py`'s case).
 
 Cases: Gpufit's 2-D Gaussian, 5x5 (10^5 fits) and 15x15 (2 x 10^4 fits),
-float32, Cpufit's stopping rule (``ftol=1e-4, max_iterations=10``,
+float32, made as Cpufit's driver makes them (`cpufit_side_by_side.generated`,
+also `kernel_profile.py`'s data), Cpufit's stopping rule (``ftol=1e-4, max_iterations=10``,
 ``solver="cholesky"``). Each fit's status is compared between the two.
 
 A process-wide flag, read once when XLA first compiles: set it in the
@@ -52,21 +53,9 @@ if case == "lsq":
     print(json.dumps({"first": time.process_time() - c0, "x": r.x.numpy().tolist()}))
     sys.exit()
 side, fits = (5, 10 ** 5) if case == "5x5" else (15, 2 * 10 ** 4)
-yy, xx = np.mgrid[0:side, 0:side].astype(np.float32)
-xy = np.stack([xx.ravel(), yy.ravel()])
-rng = np.random.default_rng(0)
-centre = (side - 1) / 2
-truth = (np.array([500, centre, centre, side / 5, 10], np.float32)
-         * rng.uniform(0.9, 1.1, (fits, 5)).astype(np.float32))
-dx, dy = xy[0][None] - truth[:, 1:2], xy[1][None] - truth[:, 2:3]
-clean = truth[:, :1] * np.exp(-(dx ** 2 + dy ** 2) / (2 * truth[:, 3:4] ** 2)) + truth[:, 4:5]
-ydata = (clean + rng.normal(0, 10, clean.shape)).astype(np.float32)
-p0 = (truth * rng.uniform(0.9, 1.1, truth.shape)).astype(np.float32)
-
-def gaussian(xy, p):
-    dx = xy[0][None, :] - p[:, 1:2]
-    dy = xy[1][None, :] - p[:, 2:3]
-    return p[:, 0:1] * tf.exp(-(dx * dx + dy * dy) / (2.0 * p[:, 3:4] ** 2)) + p[:, 4:5]
+sys.path.insert(0, sys.argv[2])   # benchmarks/
+from cpufit_side_by_side import gaussian, generated
+xy, ydata, p0 = generated(side, fits)
 
 def call():
     fit = tf_gradkit.curve_fit(gaussian, xy, ydata, p0, jit_compile=True, ftol=1e-4,
@@ -91,7 +80,8 @@ def child(case, older):
     env = dict(os.environ)
     flags = [f for f in env.get("XLA_FLAGS", "").split() if f != FLAG]
     env["XLA_FLAGS"] = " ".join(flags + ([FLAG] if older else []))
-    out = subprocess.run([sys.executable, "-c", CHILD, case], env=env, capture_output=True,
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", CHILD, case, here], env=env, capture_output=True,
                          text=True, timeout=900, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

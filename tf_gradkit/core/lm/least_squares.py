@@ -518,21 +518,16 @@ def _tolerance_tensors(dtype, gtol, xtol, ftol):
     numbers, the same tensors again on a repeated call (`_TOLERANCES`:
     three ``tf.constant`` calls are about 0.04 ms of a repeated small fit)."""
     values = (gtol, xtol, ftol)
-    key = None
+
+    def make():
+        return whole_solve.Tolerances(*(tf.constant(t, dtype) for t in values))
+
     if tf.executing_eagerly() and all(type(t) in (float, int) for t in values):
-        key = (dtype.name,) + values
-        found = _TOLERANCES.get(key)
-        if found is not None:
-            return found
-    tolerances = whole_solve.Tolerances(*(tf.constant(t, dtype) for t in values))
-    if key is not None:
-        if len(_TOLERANCES) >= 64:
-            _TOLERANCES.clear()
-        _TOLERANCES[key] = tolerances
-    return tolerances
+        return _TOLERANCES.lookup((dtype.name,) + values, make)[0]
+    return make()
 
 
-_TOLERANCES = {}   # (dtype name, gtol, xtol, ftol) -> Tolerances (eager tensors)
+_TOLERANCES = solve_cache.SolveCache(maxsize=64)   # eager tensors by value
 
 
 def _check_finite_start(var_list):
