@@ -123,6 +123,41 @@ def test_outputs_round_trip():
         module_store._encode({"a": t})
 
 
+
+EXPORTED = """
+module @chunk {
+  func.func private @unused(%arg0: tensor<f32> loc("x.1")) -> tensor<f32> {
+    %0 = stablehlo.add %arg0, %arg0 : tensor<f32> loc("add.1")
+    return %0 : tensor<f32>
+  }
+  func.func private @called(%arg0: tensor<f32>) -> tensor<f32> {
+    %0 = stablehlo.multiply %arg0, %arg0 : tensor<f32> loc("mul.1")
+    return %0 : tensor<f32>
+  }
+  func.func @main(%arg0: tensor<f32>) -> tensor<f32> {
+    %0 = stablehlo.exponential %arg0 : tensor<f32> loc("Exp")
+    %1 = stablehlo.exponential %arg0 : tensor<f32> loc("Exp_1")
+    %2 = call @called(%0) : (tensor<f32>) -> tensor<f32>
+    %3 = stablehlo.add %2, %1 : tensor<f32>
+    return %3 : tensor<f32>
+  }
+}
+"""
+
+
+def test_the_stored_module_is_the_export_without_uncalled_functions():
+    """What is stored of TensorFlow's export (`_simplified`): the functions
+    ``main`` does not call are dropped, and the locations; ``main`` and what
+    it calls keep every op (the two equal exponentials are not merged, the
+    call is not inlined: XLA is to compile the program the usual path
+    compiles). Text MLIR cannot parse is kept as it is."""
+    out = module_store._simplified(EXPORTED)
+    assert "@unused" not in out and "loc(" not in out
+    assert "@called" in out and "call @called" in out
+    assert out.count("stablehlo.exponential") == 2
+    assert out.count("stablehlo.multiply") == 1 and out.count("stablehlo.add") == 1
+    assert module_store._simplified("not MLIR") == "not MLIR"
+
 SCRIPT = """
 import json, sys
 import numpy as np, tensorflow as tf
