@@ -150,13 +150,16 @@ def test_the_stored_module_is_the_export_without_uncalled_functions():
     ``main`` does not call are dropped, and the locations; ``main`` and what
     it calls keep every op (the two equal exponentials are not merged, the
     call is not inlined: XLA is to compile the program the usual path
-    compiles). Text MLIR cannot parse is kept as it is."""
+    compiles). Text MLIR cannot parse, or a module whose ``main`` would not
+    stay (a private one), is kept as it is."""
     out = module_store._simplified(EXPORTED)
     assert "@unused" not in out and "loc(" not in out
     assert "@called" in out and "call @called" in out
     assert out.count("stablehlo.exponential") == 2
     assert out.count("stablehlo.multiply") == 1 and out.count("stablehlo.add") == 1
     assert module_store._simplified("not MLIR") == "not MLIR"
+    private = EXPORTED.replace("func.func @main", "func.func private @main")
+    assert module_store._simplified(private) == private   # not an empty module
 
 SCRIPT = """
 import json, sys

@@ -443,10 +443,14 @@ def _simplified(text):
     MLIR's ``cse`` and ``canonicalize``, which shrink the module further but
     change what XLA compiles (fits 3e-7 apart in float64, measured)."""
     try:
-        return tf.mlir.experimental.run_pass_pipeline(text, PASSES,
-                                                      show_debug_info=False)
+        out = tf.mlir.experimental.run_pass_pipeline(text, PASSES,
+                                                     show_debug_info=False)
     except Exception:  # noqa: BLE001 - the module as exported still runs
         return text
+    # A public ``main`` of the same arguments, or the export as it was (a
+    # private ``main`` would have gone with the functions nothing calls).
+    kept = _main_arguments(out)
+    return out if kept is not None and kept == _main_arguments(text) else text
 
 
 def export(solve, build, args, key):
