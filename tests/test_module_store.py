@@ -123,7 +123,6 @@ def test_outputs_round_trip():
         module_store._encode({"a": t})
 
 
-
 EXPORTED = """
 module @chunk {
   func.func private @unused(%arg0: tensor<f32> loc("x.1")) -> tensor<f32> {
@@ -160,6 +159,7 @@ def test_the_stored_module_is_the_export_without_uncalled_functions():
     assert module_store._simplified("not MLIR") == "not MLIR"
     private = EXPORTED.replace("func.func @main", "func.func private @main")
     assert module_store._simplified(private) == private   # not an empty module
+
 
 SCRIPT = """
 import json, sys

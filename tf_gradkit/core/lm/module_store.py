@@ -472,10 +472,10 @@ def export(solve, build, args, key):
     try:
         outputs = _encode(traced.structured_outputs)
         text = solve.experimental_get_compiler_ir(*args)(stage="stablehlo")
-        artifact = stablehlo.serialize_portable_artifact_str(
-            _simplified(text), stablehlo.get_current_version())
         if _main_arguments(text) != len(given[0]):
             return None   # an argument XLA took as a constant: not this call's
+        artifact = stablehlo.serialize_portable_artifact_str(
+            _simplified(text), stablehlo.get_current_version())
         flat = [t for t in tf.nest.flatten(traced.structured_outputs) if t is not None]
         meta = dict(key=key, sha256=hashlib.sha256(artifact).hexdigest(),
                     arguments=given[1], outputs=outputs,
