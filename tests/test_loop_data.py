@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tf_gradkit
-from tf_gradkit.core.lm import batched, loop_data, solve_cache
+from tf_gradkit.core.lm import batched, fitting, loop_data, solve_cache
 
 pytestmark = pytest.mark.keras_free
 
@@ -82,12 +82,14 @@ def _spy(monkeypatch):
 
 def test_compiled_curve_fit_carries_its_data(monkeypatch):
     """Under XLA both loops of a chunk (all fits, then the few left,
-    gathered: 600 fits, padded to 640, are past `batched.COMPACT_MIN_BATCH`)
+    gathered: 600 fits, padded to 640, are past `batched.COMPACT_MIN_BATCH`,
+    and the call is given the tail by `fitting.TAIL_MIN_FITS`)
     pass the data through the barrier: the shared time bins and the per-fit
     ``ydata`` and ``sigma`` of the fits each loop runs (not the boolean
     mask); the model and the user's ``jac`` read the barrier's output; a
     plain tf.function has no barrier."""
     seen = _spy(monkeypatch)
+    monkeypatch.setattr(fitting, "TAIL_MIN_FITS", 600)   # a call with the tail
     t, y, p0 = decay_problems(600)
     sigma = np.full_like(y, 5.0)
     read = {"model": set(), "jac": set()}

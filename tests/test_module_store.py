@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import tf_gradkit
 from tf_gradkit.core import spd
-from tf_gradkit.core.lm import batched, module_store, solve_cache
+from tf_gradkit.core.lm import batched, fitting, module_store, solve_cache
 
 pytestmark = [pytest.mark.keras_free, pytest.mark.skipif(
     bool(tf.config.list_logical_devices("GPU")),
@@ -346,6 +346,7 @@ def test_stored_modules_across_options(tmp_path, monkeypatch):
         _same_as_usual(monkeypatch, folder, lambda loss=loss: tf_gradkit.curve_fit(
             _decay, t32, y32, p32, loss=loss, mask=mask, jit_compile=True), files)
     tb, yb, pb, _ = _data(1200, seed=2)   # two chunks with the compacted tail
+    monkeypatch.setattr(fitting, "TAIL_MIN_FITS", 1200)
     big = _same_as_usual(monkeypatch, folder, lambda: tf_gradkit.curve_fit(
         _decay, tb, yb, pb, batch_size=600, jit_compile=True), 8)
     assert np.all(big.converged.numpy())

@@ -293,19 +293,32 @@ def test_compacted_tail_takes_the_same_steps(monkeypatch, solver):
     fit, so status and iterations equal and x to round-off), and the
     compaction did happen (its `_problems` built for the gathered rows).
     With either solver: the gathered state includes the linearisation the
-    loop carries, with its Jacobian for "qr"."""
+    loop carries, with its Jacobian for "qr". A call compiled by name with
+    fewer than `fitting.TAIL_MIN_FITS` fits has no tail (its program is the
+    smaller); "auto", once it moved to XLA, has it."""
     xy, y, p0 = spots(640, dtype=np.float64, seed=4)
     p0[::40, 3] *= 2.5     # 16 starts far off in width: the slow tail
     built = _spy_problems(monkeypatch)
     _clear_solves()
-    compact = tf_gradkit.curve_fit(gaussian, xy, y, p0, ftol=1e-10, batch_size=640,
-                                   jit_compile=True, solver=solver)
+    with monkeypatch.context() as patched:
+        patched.setattr(fitting, "TAIL_MIN_FITS", 640)
+        compact = tf_gradkit.curve_fit(gaussian, xy, y, p0, ftol=1e-10, batch_size=640,
+                                       jit_compile=True, solver=solver)
     assert built == [640, 640 // batched.COMPACT_FRACTION], built
-    monkeypatch.setattr(batched, "COMPACT_MIN_BATCH", 10 ** 9)
+    # "auto" past `AUTO_XLA_FITS` compiles with the tail at any call size:
+    # here the program above, found again (nothing traced)
+    monkeypatch.setattr(fitting, "AUTO_XLA_FITS", 640)
+    monkeypatch.setattr(fitting, "_AUTO_FITS", solve_cache.SolveCache(maxsize=16))
+    auto = tf_gradkit.curve_fit(gaussian, xy, y, p0, ftol=1e-10, batch_size=640,
+                                solver=solver)
+    assert len(built) == 2, built
+    np.testing.assert_array_equal(auto.x.numpy(), compact.x.numpy())
+    built.clear()
     _clear_solves()
     whole = tf_gradkit.curve_fit(gaussian, xy, y, p0, ftol=1e-10, batch_size=640,
                                  jit_compile=True, solver=solver)
     _clear_solves()
+    assert built == [640], built   # 640 < TAIL_MIN_FITS: no tail
     it = whole.iterations.numpy()
     assert it.max() > 2 * np.median(it)          # there was a tail to compact
     np.testing.assert_array_equal(compact.status.numpy(), whole.status.numpy())
@@ -424,11 +437,12 @@ def test_compaction_gathers_each_fits_data(monkeypatch, case):
 
     built = _spy_problems(monkeypatch)
     rng_state = rng.bit_generator.state
-    compact = solve()
+    with monkeypatch.context() as patched:
+        patched.setattr(fitting, "TAIL_MIN_FITS", b)
+        compact = solve()
     assert built[:2] == [b, b // batched.COMPACT_FRACTION], built
-    monkeypatch.setattr(batched, "COMPACT_MIN_BATCH", 10 ** 9)
     rng.bit_generator.state = rng_state
-    whole = solve()
+    whole = solve()   # b < TAIL_MIN_FITS: no tail
     _clear_solves()
     it = whole.iterations.numpy()
     np.testing.assert_array_equal(compact.status.numpy(), whole.status.numpy())

@@ -58,6 +58,18 @@ AUTO_XLA_FITS = 2 ** 16
 # `solve_cache.SOLVES`'s size (the functions it keeps alive are bounded as
 # that cache's are).
 _AUTO_FITS = solve_cache.SolveCache(maxsize=solve_cache.SOLVES.maxsize)
+# A compiled chunk has the compacted tail (`batched.COMPACT_FRACTION`) only
+# in a call of at least this many fits, or when "auto" moved to XLA (its
+# count of fits is past `AUTO_XLA_FITS` then). The tail is a second loop,
+# about a third of the program: a first call of 10^4 of Gpufit's 5x5
+# Gaussians compiled in 9.6 s of CPU without it against 14.5 s with it, and
+# a second process read the XLA cache in 0.42 s against 0.51 s (medians of
+# five; 2026-11-29, docs/batched_fits.md), while it saves about 3 ms of a
+# 8,388-fit chunk's run (on the decay of benchmarks/bounded_decay.py about
+# 15 ms of 1,048 fits'): it pays for itself over many chunks, not in a call
+# of a few. Each fit's steps are the same with or without it (to
+# round-off: tests/test_small_fits.py).
+TAIL_MIN_FITS = AUTO_XLA_FITS
 
 
 class BatchedFitResult(NamedTuple):
@@ -516,7 +528,7 @@ def _chunk_solve(kind, fn, options, jit_compile, full_output, free):
     """A new ``tf.function`` of one chunk's solve (`_compiled` caches it)."""
     residuals_of = _residuals_of(kind, fn, free)
 
-    def chunk(x0, per_fit, shared, mask, lower, upper, full0, absolute):
+    def chunk(x0, per_fit, shared, mask, lower, upper, full0, absolute, tail):
         residual_fn = residuals_of(per_fit, shared, mask, full0)
 
         def rows_fn(rows):   # the residuals of the problems at ``rows``
@@ -533,7 +545,7 @@ def _chunk_solve(kind, fn, options, jit_compile, full_output, free):
         else:
             counts = tf.reduce_sum(tf.cast(mask, x0.dtype), axis=1)
         out = batched.solve(residual_fn, x0, options, counts, box, full_output,
-                            rows_fn)
+                            rows_fn if tail else None)
         r = out.factor
         proven = None
         if r.shape[-1] <= small.COLUMNS_MAX_PARAMS and r.shape[-2] == r.shape[-1]:
@@ -561,9 +573,10 @@ def _stored(kind, fn, options, options_key, full_output, free, function, solve, 
     traced now (`module_store.export`)."""
     residuals_of = _residuals_of(kind, fn, free)
 
-    def probe(x0, per_fit, shared, mask, lower, upper, full0, absolute):
+    def probe(x0, per_fit, shared, mask, lower, upper, full0, absolute, tail):
         # The user's functions at the chunk's size and, where the solve has
-        # a compacted tail (`batched.COMPACT_MIN_BATCH`), at the tail's.
+        # a compacted tail (``tail``, `batched.COMPACT_MIN_BATCH`), at the
+        # tail's.
         batch = int(x0.shape[0])
         rows = tf.range(max(1, batch // batched.COMPACT_FRACTION))
 
@@ -572,7 +585,7 @@ def _stored(kind, fn, options, options_key, full_output, free, function, solve, 
 
         calls = []
         sizes = [(x0, per_fit, mask, full0)]
-        if batch >= batched.COMPACT_MIN_BATCH:
+        if tail and batch >= batched.COMPACT_MIN_BATCH:
             sizes.append((take(x0), tf.nest.map_structure(take, per_fit), take(mask),
                           take(full0)))
         for fn_rows in sizes:
@@ -646,6 +659,7 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
     solve = _compiled(kind, fn, options, key, jit_compile, full_output, free, function)
     # "auto" chose XLA: a function XLA cannot compile runs plain instead.
     may_fall_back = given is not None and jit_compile
+    tail = bool(jit_compile) and (given is not None or batch >= TAIL_MIN_FITS)
     bar = _Progress(batch, name) if progress else None
 
     def args_at(start):
@@ -656,7 +670,7 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
                 None if mask is None else take(mask),
                 None if lower is None else take(lower),
                 None if upper is None else take(upper),
-                take(full0) if free is not None else None, bool(absolute))
+                take(full0) if free is not None else None, bool(absolute), tail)
 
     def finish(start, solved):   # the covariance; the padding dropped
         out, counts, proven = solved
