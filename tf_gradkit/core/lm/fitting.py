@@ -171,8 +171,10 @@ def least_squares_batched(fun, x0, args=(), *, mask=None, bounds=None,
         chunk runs as equal smaller chunks where they save over 1/8 of the
         work (`_chunk_size`).
       full_output: also return ``fun`` and ``jac`` at the solutions.
-      jit_compile: True: compile each chunk's solve with XLA; False: a plain
-        ``tf.function``; "auto" (default): plain until this function with
+      jit_compile: True: compile each chunk's solve with XLA (in a call of
+        fewer than `TAIL_MIN_FITS` fits without the compacted tail, a third
+        of the program, which pays for itself only over many chunks);
+        False: a plain ``tf.function``; "auto" (default): plain until this function with
         these options has been given `AUTO_XLA_FITS` (65,536) fits in this
         process, this call's included, then XLA (a first call of 10^4
         small fits takes about 2 s instead of XLA's 9-11 s of compile; the
