@@ -456,7 +456,9 @@ def test_auto_engine_is_plain_until_the_fits_pay_for_xla(monkeypatch):
     function with these options has been given `fitting.AUTO_XLA_FITS` fits in
     this process (this call's included), XLA from then on; each call gives
     exactly what the engine it ran on gives when asked for by name (float64,
-    bit for bit); a call that alone reaches the threshold compiles at once,
+    bit for bit; below `batched.COMPACT_MIN_BATCH` fits a chunk, with
+    no compacted tail either way, by name it is the very program "auto"
+    compiled); a call that alone reaches the threshold compiles at once,
     and other options count apart."""
     monkeypatch.setattr(fitting, "AUTO_XLA_FITS", 12)
     monkeypatch.setattr(fitting, "_AUTO_FITS", solve_cache.SolveCache(maxsize=16))
@@ -477,7 +479,9 @@ def test_auto_engine_is_plain_until_the_fits_pay_for_xla(monkeypatch):
                                ftol=1e-7)                       # 12 at once: XLA
     assert engines == [False, True, False, True], engines
     plain = tf_gradkit.curve_fit(gaussian, xy, y, p0, jit_compile=False)
+    built = _spy_problems(monkeypatch)
     xla = tf_gradkit.curve_fit(gaussian, xy, y, p0, jit_compile=True)
+    assert built == [], built   # the program "auto" compiled (no tail either way)
     _clear_solves()
     np.testing.assert_array_equal(first.x.numpy(), plain.x.numpy())
     np.testing.assert_array_equal(second.x.numpy(), xla.x.numpy())

@@ -68,7 +68,8 @@ _AUTO_FITS = solve_cache.SolveCache(maxsize=solve_cache.SOLVES.maxsize)
 # 8,388-fit chunk's run (on the decay of benchmarks/bounded_decay.py about
 # 15 ms of 1,048 fits'): it pays for itself over many chunks, not in a call
 # of a few. Each fit's steps are the same with or without it (to
-# round-off: tests/test_small_fits.py).
+# round-off: tests/test_small_fits.py). So from `batched.COMPACT_MIN_BATCH`
+# fits a chunk, "auto"'s XLA and a smaller call by name run two programs.
 TAIL_MIN_FITS = AUTO_XLA_FITS
 
 
@@ -661,7 +662,9 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
     solve = _compiled(kind, fn, options, key, jit_compile, full_output, free, function)
     # "auto" chose XLA: a function XLA cannot compile runs plain instead.
     may_fall_back = given is not None and jit_compile
-    tail = bool(jit_compile) and (given is not None or batch >= TAIL_MIN_FITS)
+    # (a chunk too small for a tail has none either way: one program for both)
+    tail = (bool(jit_compile) and size >= batched.COMPACT_MIN_BATCH
+            and (given is not None or batch >= TAIL_MIN_FITS))
     bar = _Progress(batch, name) if progress else None
 
     def args_at(start):
