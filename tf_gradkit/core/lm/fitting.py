@@ -175,9 +175,9 @@ def least_squares_batched(fun, x0, args=(), *, mask=None, bounds=None,
       jit_compile: True: compile each chunk's solve with XLA (in a call of
         fewer than `TAIL_MIN_FITS` fits without the compacted tail, a third
         of the program, which pays for itself only over many chunks);
-        False: a plain ``tf.function``; "auto" (default): plain until this function with
-        these options has been given `AUTO_XLA_FITS` (65,536) fits in this
-        process, this call's included, then XLA (a first call of 10^4
+        False: a plain ``tf.function``; "auto" (default): plain until this
+        function with these options has been given `AUTO_XLA_FITS` (65,536)
+        fits in this process, this call's included, then XLA (a first call of 10^4
         small fits takes about 2 s instead of XLA's 9-11 s of compile; the
         two round differently). A function XLA cannot compile (e.g. it
         calls ``tf.numpy_function``) stays plain, with a warning.
