@@ -87,7 +87,10 @@ def test_compiled_curve_fit_carries_its_data(monkeypatch):
     pass the data through the barrier: the shared time bins and the per-fit
     ``ydata`` and ``sigma`` of the fits each loop runs (not the boolean
     mask); the model and the user's ``jac`` read the barrier's output; a
-    plain tf.function has no barrier."""
+    plain tf.function has no barrier. (One compile, with ``jac``: the model
+    is called for the residuals there too. A model's Jacobian by autodiff
+    through the barrier: `test_carried_or_not_the_same_steps`; the tail's
+    gathered data with it: tests/test_small_fits.py.)"""
     seen = _spy(monkeypatch)
     monkeypatch.setattr(fitting, "TAIL_MIN_FITS", 600)   # a call with the tail
     t, y, p0 = decay_problems(600)
@@ -105,10 +108,9 @@ def test_compiled_curve_fit_carries_its_data(monkeypatch):
         return tf.stack([e1, p[:, 0:1] * e1 * t / p[:, 1:2] ** 2, e2,
                          p[:, 2:3] * e2 * t / p[:, 3:4] ** 2, tf.ones_like(e1)], axis=-1)
 
-    for jacobian in (None, jac):
-        fit = tf_gradkit.curve_fit(model, t, y, p0, sigma=sigma, bounds=(LOWER, UPPER),
-                                   jit_compile=True, jac=jacobian)
-        assert np.all(fit.converged.numpy())
+    fit = tf_gradkit.curve_fit(model, t, y, p0, sigma=sigma, bounds=(LOWER, UPPER),
+                               jit_compile=True, jac=jac)
+    assert np.all(fit.converged.numpy())
     shapes = {s for call in seen for s in call}
     assert (60,) in shapes and (640, 60) in shapes, seen   # padded to 640
     tail = 640 // batched.COMPACT_FRACTION
