@@ -150,7 +150,8 @@ def test_fit_window_equals_the_big_batch_whatever_the_loss_divides_by(K, gk, cas
     assert int(opt.iterations.numpy()) == 2 and int(opt.micro_steps.numpy()) == 8
 
 
-@pytest.mark.parametrize("mode", sorted(FIT_MODES))
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) if m == "function"
+                                  else m for m in sorted(FIT_MODES)])
 def test_token_average_under_every_fit_mode_and_adam(K, gk, mode):
     # Masking + RNN, not an Embedding: Keras's Adam on the big batch's
     # IndexedSlices squares each repeated row's slices apart (not Adam's
@@ -324,7 +325,12 @@ def test_weight_regularizers_beside_a_token_average_are_exact(K, gk):
 
 
 # ------------------------------------------------------------ custom loops
-@pytest.mark.parametrize("mode", ["eager", "function", "jit"])
+# Plain tf.function (no XLA) under `make test-slow` only, here and below: the
+# default run keeps eager and XLA, and the window under `compile()`'s default
+# (a plain tf.function on a CPU) in every case of
+# `test_fit_window_equals_the_big_batch_whatever_the_loss_divides_by`.
+@pytest.mark.parametrize("mode", ["eager", pytest.param("function", marks=pytest.mark.slow),
+                                  "jit"])
 def test_custom_loop_with_token_counts_equals_the_big_batch(K, gk, mode):
     x, y, _ = _sequences()
     loss_fn = K.losses.SparseCategoricalCrossentropy(from_logits=True)

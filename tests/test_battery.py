@@ -61,8 +61,16 @@ NAMES = sorted(OPTIMIZERS)
 # test_misuse.py / test_model_hooks.py (solver="qr"); their function and jit
 # cells (fit and custom loop) stay in the default run, in both flavours.
 EAGER_SLOW = {"levenberg-marquardt-qr-classic", "levenberg-marquardt-trust-region"}
+# The "function" cells (plain tf.function, no XLA) run under `make test-slow`
+# only, but for those LM variants, whose eager cells are slow ones: the
+# standard asks for eager and XLA in the default run. Plain tf.function stays
+# in it for every optimizer here: `test_checkpoint_round_trip` fits each
+# under `compile()`'s default (no XLA on a CPU), and test_gpu_state.py's
+# `test_compiled_steps_use_no_host_only_ops` traces and runs each one's
+# custom-loop step as a tf.function.
 CELLS = [pytest.param(mode, name, marks=[pytest.mark.slow]
-                      if mode == "eager" and name in EAGER_SLOW else [])
+                      if (mode == "eager" and name in EAGER_SLOW)
+                      or (mode == "function" and name not in EAGER_SLOW) else [])
          for mode in MODES for name in NAMES]
 
 # What `from_config` needs besides the config (callables are not serialised).
@@ -135,6 +143,12 @@ def test_checkpoint_round_trip(K, gk, name, tmp_path):
     opt = OPTIMIZERS[name](K, gk, model)
     model.compile(optimizer=opt, loss="mse")
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    # Trained, its state is all in dtypes a GPU keeps on the device (no
+    # int32: test_gpu_state.py, which holds the walk and the dtypes).
+    from test_gpu_state import _host_dtypes, reachable_variables  # noqa: PLC0415
+    held = reachable_variables(opt, model)
+    assert held, "found no optimizer state at all: the walk is broken"
+    assert _host_dtypes(held) == []
     path = tf.train.Checkpoint(optimizer=opt).save(str(tmp_path / "c"))
     fresh_model = mlp(K)
     fresh = OPTIMIZERS[name](K, gk, fresh_model)

@@ -23,6 +23,7 @@ F64 = tf.float64
 
 
 # ------------------------------------------------------------ damping rules
+@pytest.mark.keras_free   # tf_gradkit.core only: run once
 def test_nielsen_rule_by_hand():
     rule = damping_lib.Nielsen(initial=1.0)
     state = rule.init(F64)
@@ -38,6 +39,7 @@ def test_nielsen_rule_by_hand():
     assert float(rule.accept(twice, tf.constant(1.0, F64)).nu) == 2.0
 
 
+@pytest.mark.keras_free   # tf_gradkit.core only: run once
 def test_multiply_divide_rule_and_clipping():
     rule = damping_lib.MultiplyDivide(initial=1e-3, floor=1e-4, ceiling=1e-1)
     state = rule.init(F64)
@@ -54,11 +56,13 @@ def test_multiply_divide_rule_and_clipping():
     (damping_lib.Nielsen, {"initial": 10.0, "ceiling": 1.0}, "floor <= initial <= ceiling"),
     (damping_lib.MultiplyDivide, {"increase": 0.5}, "increase > 1"),
 ])
+@pytest.mark.keras_free   # tf_gradkit.core only: run once
 def test_bad_damping_arguments(cls, kwargs, match):
     with pytest.raises(ValueError, match=match):
         cls(**kwargs)
 
 
+@pytest.mark.keras_free   # tf_gradkit.core only: run once
 def test_marquardt_scaling_is_a_running_max():
     scaling = damping_lib.Marquardt()
     scale = scaling.update(scaling.init(2, F64), tf.constant([4.0, 1.0], F64))
@@ -78,6 +82,7 @@ def _hand_problem():
     return jac, res, lin
 
 
+@pytest.mark.keras_free   # tf_gradkit.core only: run once
 @pytest.mark.parametrize("solver", ["cholesky", "qr", "dual"])
 def test_solvers_match_the_damped_normal_equations(solver):
     jac, res, lin = _hand_problem()
@@ -91,6 +96,7 @@ def test_solvers_match_the_damped_normal_equations(solver):
     np.testing.assert_allclose(step.numpy(), expected, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.keras_free   # tf_gradkit.core only: run once
 def test_cholesky_reports_failure_instead_of_nan_step():
     lin = solvers_lib.Linearization(
         cost=tf.constant(1.0, F64), jtj=-tf.eye(2, dtype=F64),
@@ -100,6 +106,7 @@ def test_cholesky_reports_failure_instead_of_nan_step():
     assert not bool(ok)
 
 
+@pytest.mark.keras_free   # tf_gradkit.core only: run once
 def test_forward_and_reverse_jacobians_agree():
     a = tf.Variable([1.0, 2.0], dtype=F64)
     b = tf.Variable(0.5, dtype=F64)
@@ -592,6 +599,7 @@ def _three_class(K):
     return model
 
 
+@pytest.mark.keras_free   # tf_gradkit.core only: run once
 @pytest.mark.parametrize("alpha,expected", [(4.0, 1.0 + 1.5 - 1.125), (0.75, 1.0 + 1.5)])
 def test_geodesic_acceleration_by_hand(alpha, expected):
     # r(x) = x^2 - 4 at x = 1: J = 2, r = -3, velocity v = 1.5 (no damping);

@@ -120,8 +120,12 @@ def test_two_of_four_along_the_input_axis():
 FIT_MODES = {"eager": {"run_eagerly": True}, "function": {}, "jit": {"jit_compile": True}}
 
 
-@pytest.mark.parametrize("how", ["fit-eager", "fit-function", "fit-jit", "loop-eager",
-                                 "loop-function", "loop-jit"])
+# The plain tf.function cases under `make test-slow` only: eager and XLA stay
+# in the default run, and MagnitudePruning fits under `compile()`'s default
+# (a plain tf.function on a CPU) in test_save_load.py and test_compile_matrix.py.
+@pytest.mark.parametrize("how", [
+    "fit-eager", pytest.param("fit-function", marks=pytest.mark.slow), "fit-jit",
+    "loop-eager", pytest.param("loop-function", marks=pytest.mark.slow), "loop-jit"])
 def test_pruned_weights_and_slots_are_zero_after_every_step(K, gk, how):
     x, y = _data()
     model = _model(K)
