@@ -326,6 +326,29 @@ def test_stored_modules_give_the_usual_compiled_results(tmp_path, monkeypatch):
     assert np.all(fit.converged.numpy()) and blocked.is_file()
 
 
+@pytest.mark.filterwarnings("ignore::tf_gradkit.core.lm.fit_report.CovarianceWarning")
+def test_a_chunk_without_a_proven_covariance_is_stored_and_runs(tmp_path, monkeypatch):
+    """Fewer points than parameters (3 and 4): the chunk proves no
+    covariance (its factor is not square) and the host computes it after
+    the module ran, which is kept, read and run as for any other chunk (its
+    two files are there after each call), with the usual results to the
+    bit."""
+    rng = np.random.default_rng(3)
+    t = np.array([0.0, 1.0, 2.0])
+    p0 = np.c_[rng.uniform(1, 2, 8), rng.uniform(0.2, 0.5, 8), rng.uniform(0, 1, (8, 2))]
+    y = _decay(tf.constant(t), tf.constant(p0 * 1.1)).numpy()
+
+    def call():
+        return tf_gradkit.curve_fit(_decay, t, y, p0, jit_compile=True)
+
+    folder = tmp_path / module_store.FOLDER
+    _same_as_usual(monkeypatch, folder, call, 2)   # written
+    solve_cache.SOLVES.clear()   # as in a new process: the module read and run
+    module_store._loaded.clear()
+    stored = _same_as_usual(monkeypatch, folder, call, 2)
+    assert np.all(np.isinf(stored.covariance.numpy()))   # n <= P
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::tf_gradkit.core.lm.fit_report.CovarianceWarning")
 def test_stored_modules_across_options(tmp_path, monkeypatch):

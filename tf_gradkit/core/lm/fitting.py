@@ -555,10 +555,12 @@ def _chunk_solve(kind, fn, options, jit_compile, full_output, free):
             proven = small.proven_covariance(r, out.cost, counts, absolute)
         # The chunk's outputs as the user gets them, the covariance from
         # `proven` (elementwise per fit, so the same here as eagerly after):
-        # the host then only concatenates chunks (eagerly, ~5 ops over the
-        # whole batch and ~3 a chunk took 8% of a 10^5-fit call, 5x5).
+        # where every fit's is proven (``ready``) the host only concatenates
+        # the chunks (eagerly, ~5 ops over the whole batch and ~3 a chunk
+        # took 8% of a 10^5-fit 5x5 call); else, and without `proven` (no
+        # ``ready`` then), `finish` computes it.
         report = _report(out, None if proven is None else proven[0], free, full0)
-        ready = tf.constant(False) if proven is None else tf.reduce_all(proven[1])
+        ready = None if proven is None else tf.reduce_all(proven[1])
         return report, (r, out.cost, counts, proven), ready
 
     return tf.function(chunk, jit_compile=jit_compile, autograph=False)
@@ -715,7 +717,7 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
 
     def finish(start, solved):   # the covariance where not proven; the padding dropped
         report, (factor, cost, counts, proven), ready = solved
-        if not bool(ready):   # a factor not finite or not proven of full rank
+        if ready is None or not bool(ready):   # a factor not finite or not proven
             finite = tf.reduce_all(tf.math.is_finite(factor), axis=[1, 2])
             cov = batched_parts.covariance(
                 tf.where(finite[:, None, None], factor, tf.zeros_like(factor)),
@@ -847,6 +849,8 @@ class _Pieces:
                           for t in leaves]
 
     def at(self, start):
+        """The padded inputs of the chunk at ``start`` (each chunk's once:
+        its pieces are let go, so a call holds one copy of its inputs)."""
         size = self.size
         if self.split is None:
             return tf.nest.map_structure(
@@ -855,9 +859,12 @@ class _Pieces:
                     [min(size, self.batch - start)] + [-1] * (t.shape.rank - 1)), size),
                 self.inputs)
         i = start // size
-        return tf.nest.pack_sequence_as(
-            self.inputs, [None if parts is None else _pad(parts[i], size)
-                          for parts in self.split])
+        taken = []
+        for parts in self.split:   # (two threads take other chunks' pieces)
+            taken.append(None if parts is None else _pad(parts[i], size))
+            if parts is not None:
+                parts[i] = None
+        return tf.nest.pack_sequence_as(self.inputs, taken)
 
 
 # (see `_Pieces`: 2**27 bytes, 32x the CPU's default chunk of Jacobian)

@@ -3,7 +3,8 @@
 Each chunk of `curve_fit` / `least_squares_batched` is one compiled loop of
 small kernels, each split over TensorFlow's thread pool; between kernels the
 pool's threads wait, and between chunks the calling thread does its own
-work (padding, the covariance, a host sync). A second chunk in flight, from
+work (its inputs' padding, a host sync, the covariance where the chunk could
+not prove it). A second chunk in flight, from
 a second Python thread (TensorFlow runs a called function in the caller's
 thread, without the GIL), fills those waits with its own kernels: on the
 2-core development machine fits per second rose 15-25% (10^5 5x5 and 15x15
