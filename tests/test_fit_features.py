@@ -9,6 +9,8 @@ changes the answer. Float64 throughout; models run as plain tf.functions
 path is the same solve, covered by tests/test_batched_least_squares.py).
 """
 
+import importlib
+
 import numpy as np
 import pytest
 import scipy.optimize
@@ -17,6 +19,8 @@ import tensorflow as tf
 import tf_gradkit
 
 pytestmark = pytest.mark.keras_free
+# the module (the package's `least_squares` names the function)
+least_squares_lib = importlib.import_module("tf_gradkit.core.lm.least_squares")
 
 T = np.linspace(0.0, 4.0, 30)
 TRUTH = np.array([[3.0, 0.7, 0.5], [2.0, 1.5, 0.2]])
@@ -226,9 +230,13 @@ def test_least_squares_verbose_termination_report(capsys):
     assert capsys.readouterr().out == ""   # control: silent by default
 
 
-@pytest.mark.parametrize("jit_compile", [False, True])
-def test_least_squares_verbose_2_reports_each_iteration(capsys, jit_compile):
-    res = _single_fit(2, jit_compile=jit_compile)
+# Eagerly with bounds that never bind (one run: its rows unheaded, as without
+# bounds; a second run off bounds: tests/test_lm_honest_results.py), under
+# XLA without.
+@pytest.mark.parametrize("jit_compile,bounds", [(False, ([0., 0.], [10., 10.])),
+                                                (True, None)])
+def test_least_squares_verbose_2_reports_each_iteration(capsys, jit_compile, bounds):
+    res = _single_fit(2, jit_compile=jit_compile, bounds=bounds)
     lines = capsys.readouterr().out.splitlines()
     rows = [line.split() for line in lines[1:-1]]
     assert len(rows) == int(res.iterations)
@@ -241,10 +249,49 @@ def test_least_squares_verbose_2_reports_each_iteration(capsys, jit_compile):
     assert lines[-1].startswith(f"least_squares: {res.reason}.")
 
 
+def _runs(lines):
+    """verbose=2's output parsed: ``({run: [row, ...]}, {run: ended line},
+    kept run)`` (run numbers from 1; one unheaded run is run 1)."""
+    rows, ended, kept, run = {}, {}, None, 1
+    for line in lines[1:-1]:
+        if line.startswith("Run ") and " ended: " in line:
+            ended[run] = line
+        elif line.startswith("Run "):
+            run = int(line.split()[1].rstrip(":"))
+        elif line.startswith("Kept: run "):
+            kept = int(line.split()[2].rstrip("'s"))
+        else:
+            rows.setdefault(run, []).append(line.split())
+    return rows, ended, kept
+
+
+def _ended_cost(line):
+    return float(line.rsplit("cost ", 1)[1])
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_least_squares_verbose_2_reports_each_run_of_a_restart(capsys, jit_compile):
+    # scaling="hybrid" stopped by max_iterations: the first phase ends
+    # unconverged, so the second restarts from the start; the lower cost is kept.
+    res = _single_fit(2, jit_compile=jit_compile, scaling="hybrid", max_iterations=2)
+    lines = capsys.readouterr().out.splitlines()
+    rows, ended, kept = _runs(lines)
+    assert "Run 1: from the start" in lines
+    assert f"Run 2: {least_squares_lib.RESTART_TEXT}" in lines
+    assert [len(rows[1]), len(rows[2])] == [2, 2] and int(res.iterations) == 4
+    assert [r[0] for r in rows[1] + rows[2]] == ["0", "1", "2", "3"]  # numbered across
+    start = 0.5 * np.sum((np.exp(-0.1 * X4.numpy()) - Y4.numpy()) ** 2)
+    for run in (1, 2):   # each run starts from the start
+        np.testing.assert_allclose(float(rows[run][0][1]), start, rtol=1e-4)
+        assert "iteration limit" in ended[run]
+    costs = {run: _ended_cost(ended[run]) for run in (1, 2)}
+    assert kept == min(costs, key=costs.get)
+    np.testing.assert_allclose(costs[kept], float(res.cost), rtol=1e-4)
+    assert costs[3 - kept] > float(res.cost)
+
+
 @pytest.mark.parametrize("verbose,kw,match", [
-    (3, {}, "0 .silent., 1"), (True, {}, "0 .silent., 1"),
-    (2, dict(bounds=([0., 0.], [10., 10.])), "verbose=2.*bounds"),
-    (2, dict(scaling="hybrid"), "verbose=2.*scaling")])
+    (3, {}, "0 .silent., 1"), (True, {}, "0 .silent., 1")])
 def test_least_squares_verbose_refusals(verbose, kw, match):
     with pytest.raises(ValueError, match=match):
         _single_fit(verbose, **kw)

@@ -16,7 +16,7 @@ import tensorflow as tf
 import tf_gradkit
 from tf_gradkit.core.lm import batched, damping, fitting
 from tf_gradkit.core.lm.fit_report import CovarianceWarning
-from tf_gradkit.core.lm.least_squares import REASONS, StopReason
+from tf_gradkit.core.lm.least_squares import OFF_BOUNDS_TEXT, REASONS, StopReason
 
 pytestmark = pytest.mark.keras_free
 
@@ -166,9 +166,10 @@ def test_blind_bound_is_detected():
 
 
 @pytest.mark.parametrize("batch", [False, True])
-def test_bound_the_model_ignores_does_not_end_the_fit(batch):
+def test_bound_the_model_ignores_does_not_end_the_fit(batch, capsys):
     # scipy's gh-7117 hyperbola: a step may land on c = 0, where the model
     # ignores c; the fit goes on from inside the box and is exact, as trf.
+    # The single solve runs with verbose=2, which reports both runs.
     lower = np.array([-3.0, 0.0, -2.0, -10.0, 0.0])
     upper = np.array([0.0, 3.0, 3.0, 0.0, 10.0])
     truth = np.array([-2, .4, -1, -5, 9.5])
@@ -188,8 +189,18 @@ def test_bound_the_model_ignores_does_not_end_the_fit(batch):
     else:
         p = tf.Variable(start, dtype=F64)
         result = tf_gradkit.least_squares(lambda: model(p) - y, [p],
-                                          bounds=(lower, upper), jit_compile=False)
+                                          bounds=(lower, upper), jit_compile=False,
+                                          verbose=2)
         converged, x = bool(result.converged), p.numpy()
+        lines = capsys.readouterr().out.splitlines()
+        assert f"Run 2: {OFF_BOUNDS_TEXT}" in lines
+        ended = [line for line in lines if " ended: " in line]
+        assert ended[0].startswith("Run 1 ended: stalled") and len(ended) == 2
+        assert "Kept: run 2's point (the lowest cost)" in lines
+        np.testing.assert_allclose(float(ended[1].rsplit("cost ", 1)[1]),
+                                   float(result.cost), rtol=1e-4)
+        rows = [line for line in lines[1:-1] if line.split()[0].isdigit()]
+        assert len(rows) == int(result.iterations)   # both runs' iterations
     assert converged
     np.testing.assert_allclose(x, truth, rtol=1e-8)
 

@@ -218,7 +218,10 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
       verbose: 0 (default) silent; 1 prints scipy's termination report (why
         it stopped, iterations, final cost, first-order optimality) after an
         eager solve, from the host: the compiled solve holds no print op.
-        2 (scipy's per-iteration report) is refused: not built yet.
+        2 also prints each iteration's cost, step norm, damping and
+        acceptance (recorded in the compiled loop); with ``bounds`` or a
+        restarting ``scaling`` each run the solve makes is headed, and the
+        run whose point it kept is named.
 
     Returns:
       A `LeastSquaresResult`.
@@ -269,14 +272,6 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
                          f"'auto'. Received: jit_compile={jit_compile!r}")
     phases = (scaling.phases(controller) if callable(getattr(scaling, "phases", None))
               else [(scaling, controller)])
-    if verbose == 2 and (len(phases) > 1 or box is not None):
-        raise ValueError(
-            "least_squares: verbose=2 (the per-iteration report) covers a solve of "
-            "one run; with `bounds` or a restarting `scaling` (e.g. 'hybrid', the "
-            "default with a robust loss) the solve may run again, which it does "
-            f"not record yet (issue 39). Received: verbose=2 with bounds="
-            f"{'given' if box is not None else None}, {len(phases)} scaling "
-            "phase(s). Use verbose=1, or drop `bounds` and pass scaling='marquardt'.")
     history = verbose == 2
 
     def build(traced_fn, tolerances, box, with_covariance):
@@ -330,7 +325,9 @@ def least_squares(residual_fn, var_list, max_iterations=100, *,
     if record is not None:   # counted once it ran (eagerly: a record exists)
         record[0] += 1
     if history:
-        _print_history(out[15].numpy()[:int(it)])
+        _print_history(*(part.numpy() for part in out[15:21]),
+                       ["from the start"] + [RESTART_TEXT] * (len(phases) - 1)
+                       + ([OFF_BOUNDS_TEXT] if box is not None else []))
     if verbose:
         print(f"least_squares: {whole_solve.reason_text(REASONS, code, stopped_by)}. "
               f"Iterations "
@@ -359,12 +356,37 @@ def _check_verbose(verbose):
             f"{verbose} while tracing.")
 
 
-def _print_history(rows):
-    """verbose=2: one line per iteration, recorded in the compiled loop."""
+# verbose=2's heading of each run after the first (`whole_solve.solve`: the
+# restart policy's phases, then the run off bounds the residuals ignore)
+RESTART_TEXT = "restarted from the start: the restart policy's next phase"
+OFF_BOUNDS_TEXT = ("restarted from the kept point, the parameters held on bounds "
+                   "the residuals ignore moved halfway back to the start")
+
+
+def _print_history(rows, counts, costs, codes, stopped_by, kept, labels):
+    """verbose=2: one line per iteration, recorded in the compiled loop;
+    per run (`whole_solve.solve`) ``rows`` [R, max_iterations, 4], its
+    ``counts``, final ``costs``, ``codes`` and ``stopped_by`` [R] and
+    ``kept`` [R], ``labels`` [R] what each run is. Where more than one run
+    ran, each is headed by its label and ends with its stop and cost, and the
+    run whose point the solve kept is named; the iterations are numbered
+    across the runs (the result's ``iterations`` counts them all)."""
+    ran = [r for r in range(len(counts)) if counts[r] > 0 or r == 0]
     print(f"{'Iteration':>9} {'Cost':>12} {'Step norm':>12} {'Damping':>12}  Step")
-    for i, (cost, step, damping, accepted) in enumerate(rows):
-        taken = "accepted" if accepted else "rejected"
-        print(f"{i:>9d} {cost:12.4e} {step:12.4e} {damping:12.4e}  {taken}")
+    i = 0
+    for r in ran:
+        if len(ran) > 1:
+            print(f"Run {r + 1}: {labels[r]}")
+        for cost, step, damping, accepted in rows[r][:counts[r]]:
+            taken = "accepted" if accepted else "rejected"
+            print(f"{i:>9d} {cost:12.4e} {step:12.4e} {damping:12.4e}  {taken}")
+            i += 1
+        if len(ran) > 1:
+            reason = whole_solve.reason_text(REASONS, codes[r], stopped_by[r])
+            print(f"Run {r + 1} ended: {reason}, cost {costs[r]:.4e}")
+    if len(ran) > 1:
+        last = max(r for r in ran if kept[r])
+        print(f"Kept: run {last + 1}'s point (the lowest cost)")
 
 
 def _compiled(build, residual_fn, inputs, jit_compile, key):

@@ -260,7 +260,7 @@ class Linearizer:
         self.step_fn = (problem.residual_fn if robust.is_linear
                         else robust.scaled(problem.residual_fn, problem.dtype))
         self._traced = {}
-        self.history = None   # run_phase's per-iteration record, when kept
+        self.history = None   # the last run_phase's (record, iterations), when kept
 
     def here(self, form):
         p = self.problem
@@ -392,13 +392,13 @@ def run_phase(problem, linearize, box, tolerances, scaling, controller, start_co
     it, code, state, _, largest, test, *record = tf.while_loop(
         lambda it, reason, *_: (reason == 0) & (it < problem.max_iterations), body,
         carry, maximum_iterations=problem.max_iterations)
-    if record:  # read by `solve` (one phase only: least_squares refuses more)
-        linearize.history = record[0]
     code = tf.where(code == 0, _code(StopReason.ITERATION_LIMIT), code)
     final = linearize.final()
     stalled, cosine, blind = final_code(problem, box, code, final, largest,
                                         start_cost, tolerances.ftol)
     stopped_by = tf.where(stalled == code, tf.constant(0, tf.int64), test)
+    if record:  # read by `solve`, `restart` and `off_bounds` after each run
+        linearize.history = (record[0], it, final.cost, stalled, stopped_by)
     return PhaseResult(it, stalled, state.damping, final.cost, cosine, blind,
                        stopped_by), final
 
@@ -472,7 +472,8 @@ def off_bounds(problem, linearize, box, tolerances, phase, first, x0, start_cost
     one more run of ``phase`` from its point with those parameters moved
     halfway back to ``x0`` (`bounds.Bounds.inside`); the lower cost of the
     two is kept, iterations added. scipy's ``trf`` never lands on a bound
-    (its iterates stay strictly inside), so it does not meet this stop."""
+    (its iterates stay strictly inside), so it does not meet this stop.
+    Returns ``(kept PhaseResult, run)``, ``run`` as `_maybe_run`'s."""
     variables, dtype = problem.variables, problem.dtype
 
     def another():
@@ -483,20 +484,20 @@ def off_bounds(problem, linearize, box, tolerances, phase, first, x0, start_cost
         assign(variables, tf.where(better, lin_lib.flatten(variables, dtype), x_first))
         kept = tf.nest.map_structure(lambda a, b: tf.where(better, a, b),
                                      second, first)
-        return kept._replace(iterations=first.iterations + second.iterations)
+        return kept._replace(iterations=first.iterations + second.iterations), better
 
     x = lin_lib.flatten(variables, dtype)
     movable = tf.reduce_any(first.blind & tf.not_equal(box.inside(x, x0, first.blind), x))
-    return tf.cond((first.code == _code(StopReason.STALLED)) & movable, another,
-                   lambda: first)
+    return _maybe_run(problem, linearize,
+                      (first.code == _code(StopReason.STALLED)) & movable, another, first)
 
 
 def restart(problem, linearize, box, tolerances, phase, first, x0, start_cost):
     """The next phase of a restart policy, only where ``first`` ended
     unconverged (iteration limit, no acceptable step, stalled far from a
     minimum): it starts from ``x0`` again and the lower cost of the two is
-    kept (the variables end at its point). Returns the kept `PhaseResult`
-    (iterations of both added)."""
+    kept (the variables end at its point). Returns ``(kept PhaseResult,
+    run)`` (iterations of both added; ``run`` as `_maybe_run`'s)."""
     variables, dtype = problem.variables, problem.dtype
 
     def another():
@@ -507,11 +508,32 @@ def restart(problem, linearize, box, tolerances, phase, first, x0, start_cost):
         assign(variables, tf.where(better, lin_lib.flatten(variables, dtype), x_first))
         kept = tf.nest.map_structure(lambda a, b: tf.where(better, a, b),
                                      second, first)
-        return kept._replace(iterations=first.iterations + second.iterations)
+        return kept._replace(iterations=first.iterations + second.iterations), better
 
     unconverged = ((first.code >= _code(StopReason.ITERATION_LIMIT))
                    & (first.code != _code(StopReason.NON_FINITE_START)))
-    return tf.cond(unconverged, another, lambda: first)
+    return _maybe_run(problem, linearize, unconverged, another, first)
+
+
+def _maybe_run(problem, linearize, condition, another, first):
+    """``(kept, run)``: ``another()`` (``-> (kept PhaseResult, better)``, one
+    more run) where ``condition``, else ``first``. With ``problem.history``,
+    ``run`` is that run's verbose=2 record ``(rows [max_iterations, 4],
+    iterations, final cost, code, stopped_by, kept)`` (`run_phase`'s; no
+    rows and not kept where it did not run), else None."""
+    if not problem.history:
+        return tf.cond(condition, lambda: another()[0], lambda: first), None
+
+    def ran():
+        kept, better = another()
+        return kept, linearize.history + (better,)   # this branch's run
+
+    def skipped():
+        return first, (tf.zeros([problem.max_iterations, 4], problem.dtype),
+                       tf.constant(0), tf.zeros([], problem.dtype), first.code,
+                       tf.constant(0, tf.int64), tf.constant(False))
+
+    return tf.cond(condition, ran, skipped)
 
 
 def assign(variables, flat):
@@ -524,7 +546,9 @@ def solve(problem, tolerances, box, phases, with_covariance):
     """The whole solve: ``(iterations, code, damping, cost, optimality,
     stationarity, x, fun, jac, grad, active_mask, covariance, stopped_by)``
     (``stopped_by``: `PhaseResult.stopped_by`, for `reason_text`), and with
-    ``problem.history`` the verbose=2 record after them.
+    ``problem.history`` the verbose=2 record after them: each run's rows,
+    iterations and whether it was kept (run 0 from the start, then each
+    restart's and the off-bounds run's, where they may run).
 
     Args:
       problem: the `Problem`.
@@ -541,11 +565,15 @@ def solve(problem, tolerances, box, phases, with_covariance):
     start_cost = cost(problem)
     x0 = lin_lib.flatten(variables, dtype)
     out, final = run_phase(problem, linearize, box, tolerances, *phases[0], start_cost)
+    runs = [linearize.history + (tf.constant(True),)] if problem.history else []
     for phase in phases[1:]:
-        out = restart(problem, linearize, box, tolerances, phase, out, x0, start_cost)
+        out, run = restart(problem, linearize, box, tolerances, phase, out, x0,
+                           start_cost)
+        runs += [run] if run else []
     if box is not None:
-        out = off_bounds(problem, linearize, box, tolerances, phases[0], out, x0,
-                         start_cost)
+        out, run = off_bounds(problem, linearize, box, tolerances, phases[0], out, x0,
+                              start_cost)
+        runs += [run] if run else []
     if len(phases) > 1 or box is not None:  # the kept point: linearised again
         final = linearize.final()
     x = lin_lib.flatten(variables, dtype)
@@ -559,7 +587,12 @@ def solve(problem, tolerances, box, phases, with_covariance):
     result = (out.iterations, out.code, out.damping, final.cost, optimality,
               out.stationarity, x, fun, final.jacobian, final.jtr, mask, pcov,
               out.stopped_by)
-    return result + (linearize.history,) if problem.history else result
+    if not problem.history:
+        return result
+    # verbose=2: each run's rows [R, max_iterations, 4], iterations, final
+    # cost, code and stopped_by [R], and whether its point replaced the one
+    # kept before it [R] (run 0: True)
+    return result + tuple(tf.stack(part) for part in zip(*runs))
 
 
 def covariance(jac, cost_value):
