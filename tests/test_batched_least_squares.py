@@ -117,26 +117,22 @@ def _check_mixed(fit, t, y, sigma, p0, lengths, rtol, **options):
 
 
 def test_batch_matches_single_solves():
-    """Default tolerances, the same graph code without XLA: every problem
-    takes the single solve's steps (same stop reason and iteration count,
-    the solution to 1e-10); the bad problems change nobody else. On a GPU
-    the batched and the single solve run other kernels (other reduction
-    orders), so there, as under XLA, the tolerances sit above round-off (at
-    the defaults an H200 stopped one problem for the cost tolerance where
-    its single solve stopped for the step tolerance)."""
+    """The same graph code without XLA: every problem takes the single
+    solve's steps (same stop reason and iteration count, the solution to
+    1e-8); the bad problems change nobody else. QR on both sides (the
+    default solver="auto", Cholesky here, is compared under XLA in
+    test_compiled_batch_matches_single_solves). The batched and the single
+    QR kernels agree to the bit on some machines, not on all: at the default
+    tolerances (round-off) an H200 stopped one problem for the cost tolerance
+    where its single solve stopped for the step tolerance, and an AMD EPYC
+    CPU problem 6 the other way round. So the tolerances sit above
+    round-off, where each stop is decided alike."""
     t, y, sigma, mask, p0, lengths = _mixed_batch()
-    on_gpu = bool(tf.config.list_physical_devices("GPU"))
-    tolerances = dict(ftol=1e-10, xtol=1e-10, gtol=1e-10) if on_gpu else {}
-    # QR on both sides: its batched and single kernels agree to the bit, so
-    # the default tolerances (at round-off) stop both alike; the default
-    # solver="auto" (Cholesky here) is compared with tolerances above
-    # round-off (test_compiled_batch_matches_single_solves).
-    tolerances["solver"] = "qr"
+    tolerances = dict(ftol=1e-10, xtol=1e-10, gtol=1e-10, solver="qr")
     fit = tf_gradkit.curve_fit(decay, t, y, p0, sigma=sigma, bounds=(LOWER, UPPER),
                                mask=mask, jit_compile=False, **tolerances)
-    statuses = _check_mixed(fit, t, y, sigma, p0, lengths,
-                            rtol=1e-8 if on_gpu else 1e-10, **tolerances)
-    if not on_gpu:
+    statuses = _check_mixed(fit, t, y, sigma, p0, lengths, rtol=1e-8, **tolerances)
+    if not tf.config.list_physical_devices("GPU"):   # not checked on a GPU
         assert 1 in statuses and 2 in statuses and 3 in statuses, statuses
 
 

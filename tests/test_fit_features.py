@@ -290,6 +290,15 @@ def test_least_squares_verbose_2_reports_each_run_of_a_restart(capsys, jit_compi
     assert costs[3 - kept] > float(res.cost)
 
 
+def test_least_squares_verbose_2_without_iterations(capsys):
+    # max_iterations=0: the heading, no row, and the report of 0 iterations.
+    res = _single_fit(2, max_iterations=0, bounds=([0., 0.], [10., 10.]))
+    lines = capsys.readouterr().out.splitlines()
+    assert int(res.iterations) == 0 and len(lines) == 2
+    assert lines[0].split() == ["Iteration", "Cost", "Step", "norm", "Damping", "Step"]
+    assert lines[1].startswith(f"least_squares: {res.reason}. Iterations 0,")
+
+
 @pytest.mark.parametrize("verbose,kw,match", [
     (3, {}, "0 .silent., 1"), (True, {}, "0 .silent., 1")])
 def test_least_squares_verbose_refusals(verbose, kw, match):

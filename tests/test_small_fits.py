@@ -447,7 +447,12 @@ def test_compaction_gathers_each_fits_data(monkeypatch, case):
     it = whole.iterations.numpy()
     np.testing.assert_array_equal(compact.status.numpy(), whole.status.numpy())
     np.testing.assert_array_equal(compact.iterations.numpy(), it)
-    np.testing.assert_allclose(compact.x.numpy(), whole.x.numpy(), rtol=1e-10, atol=1e-12)
+    # The same steps (asserted exactly above); x to round-off amplified by the
+    # fit's conditioning: XLA's CPU code may round the compacted loop's
+    # gathered, smaller arrays unlike the whole chunk's (other shapes, other
+    # vectorisation: 3e-10 relative on 1 fit of 600 on an AMD EPYC under
+    # `make test`'s XLA flags, 0 on the Intel machine before it).
+    np.testing.assert_allclose(compact.x.numpy(), whole.x.numpy(), rtol=1e-8, atol=1e-12)
     assert np.mean(compact.converged.numpy()) > 0.95
 
 

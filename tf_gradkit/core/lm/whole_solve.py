@@ -369,6 +369,13 @@ def iteration(problem, linearize, box, tolerances, scaling, controller,
     return it + 1, code, new_state, new_cost, largest, test, record
 
 
+def _history_rows(problem):
+    """Rows of a run's verbose=2 record: one per iteration, at least one
+    (the loop's body is traced, scatter included, even at
+    ``max_iterations=0``)."""
+    return max(problem.max_iterations, 1)
+
+
 def run_phase(problem, linearize, box, tolerances, scaling, controller, start_cost):
     """One whole run from the variables' values: ``(PhaseResult, final
     linearisation)``; the variables end at its solution."""
@@ -388,7 +395,7 @@ def run_phase(problem, linearize, box, tolerances, scaling, controller, start_co
              state, tf.constant(0.0, dtype), tf.zeros([num_params], dtype),
              tf.constant(0, tf.int64))
     if problem.history:
-        carry += (tf.zeros([problem.max_iterations, 4], dtype),)
+        carry += (tf.zeros([_history_rows(problem), 4], dtype),)
     it, code, state, _, largest, test, *record = tf.while_loop(
         lambda it, reason, *_: (reason == 0) & (it < problem.max_iterations), body,
         carry, maximum_iterations=problem.max_iterations)
@@ -529,7 +536,7 @@ def _maybe_run(problem, linearize, condition, another, first):
         return kept, linearize.history + (better,)   # this branch's run
 
     def skipped():
-        return first, (tf.zeros([problem.max_iterations, 4], problem.dtype),
+        return first, (tf.zeros([_history_rows(problem), 4], problem.dtype),
                        tf.constant(0), tf.zeros([], problem.dtype), first.code,
                        tf.constant(0, tf.int64), tf.constant(False))
 
