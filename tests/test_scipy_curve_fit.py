@@ -151,7 +151,7 @@ class TestLeastSq:
         # gh-1447: float32 data. scipy's parameters are float64 (its p0), so
         # numpy computes the residuals in float64: as here, with the data
         # cast. The valley (p0 and p3 cancelling) is long and flat: ours takes
-        # ~110 iterations (scipy's leastsq allows 200 (n + 1) = 1000
+        # 127 iterations (scipy's leastsq allows 200 (n + 1) = 1000
         # evaluations; lm took 162) and ends at scipy's solution.
         x = tf.constant([1.475, 1.429, 1.409, 1.419, 1.455, 1.519, 1.472, 1.368,
                          1.286, 1.231], tf.float32)
