@@ -260,7 +260,7 @@ class Linearizer:
         self.step_fn = (problem.residual_fn if robust.is_linear
                         else robust.scaled(problem.residual_fn, problem.dtype))
         self._traced = {}
-        self.history = None   # the last run_phase's (record, iterations), when kept
+        self.history = None   # the last run_phase's verbose=2 record, when kept
 
     def here(self, form):
         p = self.problem
@@ -554,8 +554,9 @@ def solve(problem, tolerances, box, phases, with_covariance):
     stationarity, x, fun, jac, grad, active_mask, covariance, stopped_by)``
     (``stopped_by``: `PhaseResult.stopped_by`, for `reason_text`), and with
     ``problem.history`` the verbose=2 record after them: each run's rows,
-    iterations and whether it was kept (run 0 from the start, then each
-    restart's and the off-bounds run's, where they may run).
+    iterations, final cost, code, stopped_by and whether it was kept (run 0
+    from the start, then each restart's and the off-bounds run's, where they
+    may run; `least_squares` labels them in this order).
 
     Args:
       problem: the `Problem`.
@@ -576,11 +577,11 @@ def solve(problem, tolerances, box, phases, with_covariance):
     for phase in phases[1:]:
         out, run = restart(problem, linearize, box, tolerances, phase, out, x0,
                            start_cost)
-        runs += [run] if run else []
+        runs += [run] if run is not None else []
     if box is not None:
         out, run = off_bounds(problem, linearize, box, tolerances, phases[0], out, x0,
                               start_cost)
-        runs += [run] if run else []
+        runs += [run] if run is not None else []
     if len(phases) > 1 or box is not None:  # the kept point: linearised again
         final = linearize.final()
     x = lin_lib.flatten(variables, dtype)
