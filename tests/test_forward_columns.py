@@ -66,7 +66,32 @@ def _models(dtype):
         "stops": lambda p: (p[:, 0:1] * tf.stop_gradient(p[:, 1:2]) * t
                             + tf.cast(tf.cast(10.0 * p[:, 2:3], tf.int32), dtype)
                             + _checked(p[:, 3:4]) * t + p[:, 4:5]),
+        # the other rules: concat, stack, tile, slice, expand_dims, a batched
+        # product, squeeze, broadcast_to, squared_difference, add_n,
+        # bias_add, split by sizes, unstack of a derived tensor, an
+        # identity and a split of the parameters, Expm1, Rsqrt, Tan, Sinh,
+        # Cosh, Cos, Atan, Softplus
+        "more": lambda p: _more(p, t, dtype),
     }
+
+
+def _more(p, t, dtype):
+    q = p * 0.5 + 0.25
+    c = tf.concat([q[:, 0:1], q[:, 1:2] * 2.0], axis=1)
+    st = tf.stack([q[:, 2], q[:, 3]], axis=1)
+    cut = tf.slice(tf.tile(c, [1, 2]), [0, 1], [B, 2])
+    product = tf.matmul(tf.expand_dims(st * cut, -1), tf.ones([B, 1, N], dtype))
+    wide = tf.broadcast_to(q[:, 4:5], [B, N])
+    total = tf.add_n([tf.squeeze(product[:, :1, :], axis=1),
+                      tf.math.squared_difference(wide, t), tf.nn.bias_add(wide, t)])
+    first, second = tf.split(cut, [1, 1], axis=1)
+    u, v = tf.unstack(c, axis=1)
+    a0, a1, _, _, a4 = tf.split(tf.identity(p), 5, axis=1)
+    return (tf.identity(total) + first * t + second + u[:, None] * v[:, None] * t
+            + a0 * tf.cos(a1 * t) + tf.atan(a4 * t)
+            + tf.math.expm1(q[:, 0:1]) * tf.math.rsqrt(q[:, 1:2] + 1.0)
+            + tf.tan(q[:, 2:3]) * tf.sinh(q[:, 3:4]) + tf.cosh(q[:, 4:5]) * tf.atan(t)
+            + tf.nn.softplus(q[:, 0:1] - t))
 
 
 def _checked(v):

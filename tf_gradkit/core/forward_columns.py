@@ -91,7 +91,7 @@ def _from_seed(op, ins, j, p, x):
     unstack of its columns keeps only column j's part (1.0 or a constant
     0/1 pattern, None where it takes no part); else ``x``'s tangent as the
     dense unit vector e_j and the op's rule."""
-    if op.type in ("Identity", "Snapshot") and ins[0] is _SEED:
+    if op.type == "Identity" and ins[0] is _SEED:
         return [_SEED]
     if op.type == "StridedSlice" and ins[0] is _SEED:
         pattern = _slice_columns(op, p)
@@ -386,14 +386,11 @@ def _erf(x, z):
 _RULES = {
     "Identity": lambda op, ins: [ins[0]],
     "CheckNumerics": lambda op, ins: [ins[0]],
-    "Snapshot": lambda op, ins: [ins[0]],
     "Neg": lambda op, ins: [_neg(ins[0])],
     "AddV2": _add_rule,
-    "Add": _add_rule,
     "Sub": _sub_rule,
     "Mul": _mul_rule,
     "RealDiv": _div_rule,
-    "Div": _div_rule,
     "Pow": _pow_rule,
     "SquaredDifference": _squared_difference_rule,
     "AddN": _add_n_rule,
@@ -410,7 +407,6 @@ _RULES = {
     "Rsqrt": _elementwise(_rsqrt),
     "Square": _elementwise(lambda x, z: 2.0 * x),
     "Reciprocal": _elementwise(lambda x, z: -z * z),
-    "Inv": _elementwise(lambda x, z: -z * z),
     "Sin": _elementwise(lambda x, z: tf.cos(x)),
     "Cos": _elementwise(lambda x, z: -tf.sin(x)),
     "Tan": _elementwise(lambda x, z: 1.0 + z * z),
@@ -440,7 +436,6 @@ _RULES = {
     "Pack": _pack_rule,
     "MatMul": _matmul_rule,
     "BatchMatMulV2": _batch_matmul_rule,
-    "BatchMatMulV3": _batch_matmul_rule,
     "Einsum": _einsum_rule,
     "GatherV2": _gather_rule,
     "Split": _split_rule,
