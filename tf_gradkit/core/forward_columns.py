@@ -158,8 +158,6 @@ def _full(t, like):
     ``like``'s shape and dtype."""
     if t is None:
         return tf.zeros_like(like)
-    if t is _SEED:
-        raise _Unsupported("seed")
     t = tf.cast(t, like.dtype) if isinstance(t, tf.Tensor) else tf.constant(t, like.dtype)
     if t.shape == like.shape and like.shape.is_fully_defined():
         return t

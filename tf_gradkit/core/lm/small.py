@@ -43,17 +43,16 @@ def jacobian_columns(residual_fn, x):
     In a plain ``tf.function``: forward mode over the traced ops
     (`forward_columns`: each column's tangent only where its parameter
     reaches, a few ops per op). A plain first call of 10^4 5x5 Gaussian
-    fits traced 1,607 ops instead of 1,969 and 46 nested functions fewer,
-    and took 0.71x the CPU (medians of five alternated fresh processes,
-    2.95 s against 4.13 s on 2026-11-30's AMD EPYC machine; later calls
-    the same). Under XLA, and where an op has no rule there: one JVP per
+    fits traces 1,607 ops instead of 1,969 and 46 nested functions fewer
+    (its CPU: `benchmarks/first_call.py`, docs/batched_fits.md "A plain
+    first call traces fewer ops"). Under XLA, and where an op has no rule
+    there (the ops `forward_columns` traced are then unused): one JVP per
     parameter, each seeded with that parameter's unit vector for every
     fit, the residuals the first JVP's primal output. That JVP is traced
     once (a nested ``tf.function`` called P times with the P tangents: the
     user's function and forward mode's per-op rules are traced once, not P
-    times; XLA inlines the calls). Under XLA the rules' columns ran 0.70-0.89x
-    as many compiled 5x5 fits per CPU-second (three alternated processes,
-    one thread): XLA fuses that program differently (not studied yet)."""
+    times; XLA inlines the calls). Under XLA the rules' columns made a
+    compiled 5x5 chunk slower (the same page; not studied yet)."""
     p = x.shape[-1]
     found = None if spd._in_xla() else forward_columns.columns(residual_fn, x)
     if found is not None:
