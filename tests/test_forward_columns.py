@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 from tf_gradkit.core import forward_columns
+from tf_gradkit.core.lm import linearize
 from tf_gradkit.core.lm import small
 
 # No Keras here: runs in the Keras 3 process only (`make test`).
@@ -183,3 +184,128 @@ def test_an_op_without_a_rule_falls_back_to_tensorflows_forward_mode():
 
 def test_eagerly_none():
     assert forward_columns.columns(lambda p: 2.0 * p, tf.ones([B, P])) is None
+
+
+# `variable_columns`: the parameters are variables a zero-argument function
+# reads (as `least_squares` and the Keras optimizer have them), each entry a
+# column. Reference: reverse mode (`GradientTape.jacobian`), the same
+# tolerances as above.
+XD = _RNG.normal(size=(N, 2))
+
+
+def _variable_models(dtype):
+    t, xd = tf.constant(T, dtype), tf.constant(XD, dtype)
+    data = tf.Variable(_RNG.normal(size=N), dtype=dtype)   # read, not a parameter
+    p = tf.Variable([1.3, 0.7, -0.2], dtype=dtype)
+    a, b, c = (tf.Variable(v, dtype=dtype) for v in (0.9, 1.1, 0.3))
+    kernel = tf.Variable(_RNG.normal(size=(2, 2)), dtype=dtype)
+    bias = tf.Variable([0.1, -0.4], dtype=dtype)
+    q = tf.Variable([0.5, 1.5, -1.0, 2.0], dtype=dtype)
+    return {
+        # least_squares's usual decay: one vector, read by scalar slices
+        "vector": ([p], lambda: p[0] * tf.exp(-p[1] * t) + p[2] - data),
+        # scalar variables
+        "scalars": ([a, b, c], lambda: a * tf.sin(b * t) + c * t ** 2),
+        # a dense layer: a matrix and a bias read whole (MatMul, BiasAdd),
+        # the output reshaped, a tanh
+        "dense": ([kernel, bias], lambda: tf.reshape(tf.tanh(
+            tf.nn.bias_add(xd @ kernel, bias)), [-1])),
+        # a vector unstacked, and reshaped into a matrix; read twice
+        "unstack": ([q], lambda: (lambda w, x, y, z: w * t + x * t ** 2 + y)(
+            *tf.unstack(q)) + tf.reduce_sum(xd @ tf.reshape(q, [2, 2]), axis=1)),
+        # two-wide and negative slices of one variable, a scalar beside it
+        "slices": ([q, a], lambda: tf.reduce_sum(q[1:3]) * t + q[-1] * tf.exp(-a * t)
+                   + tf.reduce_sum(q[:2] * q[2:]) - data),
+    }
+
+
+def _reverse(fn, variables):
+    with tf.GradientTape() as tape:
+        out = tf.reshape(fn(), [-1])
+    jac = tape.jacobian(out, variables, experimental_use_pfor=True)
+    return out, tf.concat([tf.reshape(j, [out.shape[0], -1]) for j in jac], axis=1)
+
+
+@pytest.mark.parametrize("dtype, rtol", [(tf.float64, 1e-12), (tf.float32, 1e-5)])
+@pytest.mark.parametrize("jit", [False, True], ids=["function", "jit"])
+@pytest.mark.parametrize("name", list(_variable_models(tf.float64)))
+def test_variable_columns_equal_reverse_mode(name, jit, dtype, rtol):
+    variables, fn = _variable_models(dtype)[name]
+
+    @tf.function(jit_compile=jit)
+    def both():
+        found = forward_columns.variable_columns(fn, variables)
+        assert found is not None, f"{name}: not covered"
+        out, columns = found
+        return (tf.reshape(out, [-1]), tf.stack([tf.reshape(c, [-1]) for c in columns],
+                                                axis=1), _reverse(fn, variables))
+
+    out, jac, (ref_out, ref_jac) = tf.nest.map_structure(lambda t: t.numpy(), both())
+    np.testing.assert_array_equal(out, ref_out)
+    assert jac.shape == (ref_out.size, sum(v.shape.num_elements() for v in variables))
+    assert np.all(np.isfinite(jac)) and np.all(np.abs(ref_jac).max(axis=0) > 0)
+    np.testing.assert_allclose(jac, ref_jac, rtol=0, atol=rtol * np.abs(ref_jac).max())
+
+
+def test_a_variable_that_does_not_reach_an_op_gets_an_exact_zero_there():
+    """As for `columns`: a t + b exp(800 t), a's column exactly t where
+    TensorFlow's forward mode gives 0 * inf = NaN."""
+    t = tf.constant(T)
+    a, b = tf.Variable(0.5, dtype=tf.float64), tf.Variable(1.0, dtype=tf.float64)
+    columns = tf.function(lambda: forward_columns.variable_columns(
+        lambda: a * t + b * tf.exp(800.0 * t), [a, b])[1])()
+    np.testing.assert_array_equal(columns[0].numpy(), T)
+
+
+def test_variables_used_other_than_read_fall_back():
+    """None (the caller takes TensorFlow's forward mode) where a variable
+    is read inside a nested function, gathered straight from its handle, or
+    not read at all, and under a distribution strategy: a read the walk
+    cannot see would otherwise give a zero column."""
+    t = tf.constant(T)
+    p = tf.Variable([1.0, 2.0], dtype=tf.float64)
+    other = tf.Variable(3.0, dtype=tf.float64)
+    nested = tf.function(lambda: p[0] * t)
+    cases = {
+        "nested function": ([p], lambda: nested() + p[1]),
+        "gather": ([p], lambda: tf.gather(p, [1, 0])[0] * t),
+        "not read": ([p, other], lambda: p[0] * t + p[1]),
+    }
+    for name, (variables, fn) in cases.items():
+        got = tf.function(lambda: forward_columns.variable_columns(fn, variables))()
+        assert got is None, name
+    with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+        assert tf.function(lambda: forward_columns.variable_columns(
+            lambda: p[0] * t, [p]))() is None
+    assert forward_columns.variable_columns(lambda: p[0] * t, [p]) is None   # eagerly
+
+
+def test_linearize_takes_the_rules_for_few_parameters(monkeypatch):
+    """`linearize.residuals_and_jacobian` (least_squares, the Keras
+    optimizer) takes these columns up to `RULE_COLUMNS_MAX_PARAMS`
+    parameters, and TensorFlow's forward mode above: the same Jacobian."""
+    taken = []
+    original = forward_columns.variable_columns
+
+    def recording(fn, variables):
+        found = original(fn, variables)
+        taken.append(found is not None)
+        return found
+
+    monkeypatch.setattr(forward_columns, "variable_columns", recording)
+    t = tf.constant(T)
+    for size in (3, linearize.RULE_COLUMNS_MAX_PARAMS + 1):
+        p = tf.Variable(np.linspace(0.5, 1.5, size))
+        powers = tf.constant(np.arange(size, dtype=np.float64))
+
+        def fn():
+            return tf.reduce_sum(p[:, None] * t[None] ** powers[:, None], axis=0) + tf.exp(
+                -p[0] * t)
+
+        taken.clear()
+        residuals, jac = tf.function(
+            lambda: linearize.residuals_and_jacobian(fn, [p], tf.float64))()
+        assert taken == ([True] if size <= linearize.RULE_COLUMNS_MAX_PARAMS else [])
+        _, ref = tf.function(lambda: _reverse(fn, [p]))()
+        np.testing.assert_allclose(jac.numpy(), ref.numpy(), rtol=0,
+                                   atol=1e-12 * np.abs(ref.numpy()).max())

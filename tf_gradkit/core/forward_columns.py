@@ -49,28 +49,96 @@ def columns(fn, x):
         return None
     p = int(x.shape[-1])
     try:
-        cols = [_walk(ops, x, j, p, out) for j in range(p)]
+        cols = [_walk(ops, {x.ref(): _Column(x, j)}, out) for j in range(p)]
     except _Unsupported:
         return None
     return out, [_full(c, out) for c in cols]
 
 
-def _walk(ops, x, j, p, out):
-    """The tangent of ``out`` along parameter ``j`` of ``p``."""
-    tangents = {x.ref(): _SEED}
+def variable_columns(fn, variables):
+    """``(fn(), [column_j for j < P])``: the Jacobian's columns of ``fn``
+    (zero arguments, reading ``variables``) along each of the variables'
+    entries, flattened in order (P entries in all), each column of
+    ``fn()``'s shape; by the rules below, in a graph.
+
+    Each read of a variable (a ``ReadVariableOp`` of its handle, however
+    many nested functions' captures lie between) is a seed. None eagerly,
+    under a distribution strategy, for a variable of unknown shape or one
+    ``fn`` does not read, and where the variables are used in any other way
+    than read (an op taking a handle itself: a nested function, a gather
+    straight from the variable, control flow): the caller then takes
+    TensorFlow's forward mode, and the ops traced here are unused."""
+    if tf.executing_eagerly() or tf.distribute.has_strategy():
+        return None
+    handles = [getattr(v, "handle", None) for v in variables]
+    if any(h is None for h in handles) or not all(
+            v.shape.is_fully_defined() for v in variables):
+        return None
+    graph = tf.compat.v1.get_default_graph()
+    before = len(graph.get_operations())
+    out = fn()
+    ops = graph.get_operations()[before:]
+    if not isinstance(out, tf.Tensor) or not out.dtype.is_floating:
+        return None
+    reads = []   # (the value read, the variable's position)
+    for op in ops:
+        for t in op.inputs:
+            k = _variable_of(t, handles) if t.dtype == tf.resource else None
+            if k is None:
+                continue
+            if op.type != "ReadVariableOp":
+                return None
+            reads.append((op.outputs[0], k))
+    if {k for _, k in reads} != set(range(len(variables))):
+        return None
+    cols = []
+    try:
+        for k, v in enumerate(variables):
+            size = v.shape.num_elements()
+            index = np.arange(size).reshape(v.shape.as_list())
+            for j in range(size):
+                seeds = {t.ref(): _Entries(index, j, t.dtype) for t, kk in reads if kk == k}
+                cols.append(_walk(ops, seeds, out))
+    except _Unsupported:
+        return None
+    return out, [_full(c, out) for c in cols]
+
+
+def _variable_of(t, handles):
+    """The position in ``handles`` of the variable handle that ``t`` (a
+    resource tensor in a graph) stands for, following the captures of
+    nested graphs out to the handle itself; None for any other."""
+    while True:
+        for k, handle in enumerate(handles):
+            if t is handle:
+                return k
+        try:
+            graph = t.graph
+        except AttributeError:   # an eager tensor: no graph above it
+            return None
+        outer = next((e for e, i in getattr(graph, "captures", ()) if i is t), None)
+        if outer is None:
+            return None
+        t = outer
+
+
+def _walk(ops, seeds, out):
+    """The tangent of ``out`` along one column, ``seeds`` the tangents of
+    the tensors the parameters are read from (`_Seed`s, by ``ref()``)."""
+    tangents = dict(seeds)
     for op in ops:
         ins = [tangents.get(t.ref()) for t in op.inputs]
         if all(t is None for t in ins):
             continue
         if op.type in _NO_TANGENT:
             continue
-        if any(t is _SEED for t in ins):
-            got = _from_seed(op, ins, j, p, x)
-        else:
+        seeded = [t for t in ins if isinstance(t, _Seed)]
+        got = seeded[0].through(op, ins) if len(seeded) == 1 else None
+        if got is None:
             rule = _RULES.get(op.type)
             if rule is None:
                 raise _Unsupported(op.type)
-            got = rule(op, ins)
+            got = rule(op, [t.dense() if isinstance(t, _Seed) else t for t in ins])
         for t, d in zip(op.outputs, got):
             if d is None:
                 continue
@@ -78,35 +146,89 @@ def _walk(ops, x, j, p, out):
                 raise _Unsupported(op.type)
             tangents[t.ref()] = d
     found = tangents.get(out.ref())
-    if found is _SEED:
-        found = tf.constant(np.eye(p)[j], out.dtype)
-    return found
+    return found.dense() if isinstance(found, _Seed) else found
 
 
-_SEED = object()   # ``x`` itself: its tangent along column j is e_j
+class _Seed:
+    """The tangent of a tensor the parameters are read from, kept symbolic
+    so that an op that only selects from it (`through`) can tell which of
+    its outputs the column reaches; `dense` is it as a tensor."""
+
+    def through(self, op, ins):
+        """The output tangents of ``op``, whose only seeded input is this
+        one, where selection decides them; else None (then the op's rule
+        runs on `dense`)."""
+        return [self] if op.type == "Identity" else None
+
+    def dense(self):
+        raise NotImplementedError
 
 
-def _from_seed(op, ins, j, p, x):
-    """The output tangents of ``op`` reading ``x`` directly: a slice or an
-    unstack of its columns keeps only column j's part (1.0 or a constant
-    0/1 pattern, None where it takes no part); else ``x``'s tangent as the
-    dense unit vector e_j and the op's rule."""
-    if op.type == "Identity" and ins[0] is _SEED:
-        return [_SEED]
-    if op.type == "StridedSlice" and ins[0] is _SEED:
-        pattern = _slice_columns(op, p)
-        if pattern is not None:
-            return [_indicator(pattern == j, x.dtype)]
-    if op.type == "Unpack" and ins[0] is _SEED and op.get_attr("axis") in (1, -1):
-        return [1.0 if k == j else None for k in range(p)]
-    if (op.type == "Split" and ins[1] is _SEED and op.get_attr("num_split") == p
-            and tf.get_static_value(op.inputs[0]) in (1, -1)):
-        return [1.0 if k == j else None for k in range(p)]
-    dense = tf.constant(np.eye(p)[j], x.dtype)
-    rule = _RULES.get(op.type)
-    if rule is None:
-        raise _Unsupported(op.type)
-    return rule(op, [dense if t is _SEED else t for t in ins])
+class _Column(_Seed):
+    """``x`` [B, P] itself along column ``j``: e_j in every row."""
+
+    def __init__(self, x, j):
+        self.x, self.j, self.p = x, j, int(x.shape[-1])
+
+    def dense(self):
+        return tf.constant(np.eye(self.p)[self.j], self.x.dtype)
+
+    def through(self, op, ins):
+        """A slice or an unstack of ``x``'s columns keeps only column j's
+        part (1.0 or a constant 0/1 pattern, None where it takes no part)."""
+        j, p = self.j, self.p
+        if op.type == "StridedSlice" and ins[0] is self:
+            pattern = _slice_columns(op, p)
+            if pattern is not None:
+                return [_indicator(pattern == j, self.x.dtype)]
+        if op.type == "Unpack" and ins[0] is self and op.get_attr("axis") in (1, -1):
+            return [1.0 if k == j else None for k in range(p)]
+        if (op.type == "Split" and ins[1] is self and op.get_attr("num_split") == p
+                and tf.get_static_value(op.inputs[0]) in (1, -1)):
+            return [1.0 if k == j else None for k in range(p)]
+        return super().through(op, ins)
+
+
+class _Entries(_Seed):
+    """A variable's value, or a part of it selected by slices, along its
+    entry ``j``: ``index`` holds, at each element, the flat index of the
+    variable's entry it is (a numpy array of the tensor's static shape)."""
+
+    def __init__(self, index, j, dtype):
+        self.index, self.j, self.dtype = index, j, dtype
+
+    @classmethod
+    def of(cls, index, j, dtype):
+        """The tangent of the part ``index``: None where entry j is not in
+        it, 1.0 where it is all of it, else an `_Entries`."""
+        hit = index == j
+        if not hit.any():
+            return None
+        if hit.all():
+            return 1.0
+        return cls(index, j, dtype)
+
+    def dense(self):
+        return tf.constant((self.index == self.j).astype(self.dtype.as_numpy_dtype))
+
+    def through(self, op, ins):
+        if ins[0] is self:
+            if op.type == "StridedSlice":
+                spec = _slice_spec(op)
+                if spec is not None:
+                    try:
+                        return [self.of(self.index[spec], self.j, self.dtype)]
+                    except IndexError:
+                        return None
+            elif op.type == "Unpack":
+                axis = op.get_attr("axis")
+                return [self.of(part, self.j, self.dtype) for part in np.moveaxis(
+                    self.index, axis, 0)]
+            elif op.type == "Reshape":
+                shape = tf.get_static_value(op.inputs[1])
+                if shape is not None:
+                    return [self.of(self.index.reshape(shape), self.j, self.dtype)]
+        return super().through(op, ins)
 
 
 def _indicator(mask, dtype):
@@ -119,11 +241,9 @@ def _indicator(mask, dtype):
     return tf.constant(mask[None].astype(dtype.as_numpy_dtype))
 
 
-def _slice_columns(op, p):
-    """For a ``StridedSlice`` of ``x`` [B, P] that keeps the batch axis as it
-    is: the column of ``x`` each element of a row of its output comes from
-    (a numpy array of the output's shape without the batch axis); None for
-    any other slice."""
+def _slice_spec(op):
+    """A ``StridedSlice``'s selection as a numpy index (a tuple of slices,
+    integers, Ellipsis and np.newaxis), or None where it is not static."""
     values = [tf.get_static_value(t) for t in op.inputs[1:4]]
     if any(v is None for v in values):
         return None
@@ -142,9 +262,20 @@ def _slice_columns(op, p):
         else:
             spec.append(slice(None if masks["begin_mask"] & bit else int(b),
                               None if masks["end_mask"] & bit else int(e), int(s)))
+    return tuple(spec)
+
+
+def _slice_columns(op, p):
+    """For a ``StridedSlice`` of ``x`` [B, P] that keeps the batch axis as it
+    is: the column of ``x`` each element of a row of its output comes from
+    (a numpy array of the output's shape without the batch axis); None for
+    any other slice."""
+    spec = _slice_spec(op)
+    if spec is None:
+        return None
     index = np.arange(2 * p).reshape(2, p)
     try:
-        taken = index[tuple(spec)]
+        taken = index[spec]
     except IndexError:
         return None
     if taken.ndim < 1 or taken.shape[0] != 2 or np.any(taken[0] >= p) or np.any(

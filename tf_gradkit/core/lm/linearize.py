@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
+from tf_gradkit.core import forward_columns
 from tf_gradkit.core import precision
 from tf_gradkit.core.lm import linear_solvers
 from tf_gradkit.core.lm.linear_solvers import Linearization
@@ -77,6 +78,14 @@ def unflatten(vector, variables):
 
 JACOBIAN_MODES = ("auto", "forward", "reverse")
 
+# Up to this many parameters, forward mode's columns come by per-op rules
+# over the residual function's own traced ops (`forward_columns`: each
+# column only where its entry reaches), not by one vectorised JVP of
+# TensorFlow's forward mode: a graph of at most P times the model's ops,
+# where TensorFlow's JVP adds a traced function per op. Why: a repeated
+# small `least_squares` is mostly its ops' dispatch (benchmarks/lsq_latency.py).
+RULE_COLUMNS_MAX_PARAMS = 10
+
 
 def residuals_and_jacobian(residual_fn, variables, dtype, mode="auto",
                            support=None):
@@ -112,6 +121,16 @@ def residuals_and_jacobian(residual_fn, variables, dtype, mode="auto",
         return tf.cast(residuals, dtype), on_support(jacobian, support)
 
     if mode != "reverse":
+        found = None
+        if support is None and num_params <= RULE_COLUMNS_MAX_PARAMS:
+            found = forward_columns.variable_columns(residual_fn, variables)
+        if found is not None:
+            residuals, cols = found
+            residuals = tf.reshape(residuals, [-1])
+            n = residuals.shape[0]
+            if mode == "forward" or n is None or n >= columns:
+                return tf.cast(residuals, dtype), tf.stack(
+                    [tf.cast(tf.reshape(c, [-1]), dtype) for c in cols], axis=1)
         residuals = tf.reshape(residual_fn(), [-1])
         n = residuals.shape[0]
         if mode == "forward" or n is None or n >= columns:
