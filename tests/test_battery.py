@@ -79,6 +79,21 @@ FROM_CONFIG_EXTRA = {
 }
 
 
+# Epochs of 8 batches of 8 for the training cells. "Trains" is the training
+# MSE below 0.8 of the start's: after 2 epochs every cell's ratio but the
+# one below was 0.36 at most (accumulate-adam-4, fit and custom loop, both flavours; the
+# LM variants 0.04-0.06, the others 0.07-0.33; 0.04-0.15 after 6 epochs;
+# measured under jit, eager equal to it).
+# Two epochs still cross an epoch boundary with an accumulation window open
+# (8 batches, windows of 3) and complete several windows and dual updates.
+EPOCHS = 2
+# But under fit, AdamW's use_ema ends fit with the weights' moving average
+# (momentum 0.99), which moves by a few percent per epoch: the ratio was
+# 0.96 after 2 epochs, 0.91 after 3 and 0.75 after 6 (tf_keras; Keras 3
+# 0.77, 0.74, 0.61), so that cell keeps 6.
+FIT_EPOCHS = {"accumulate-adamw-ema-3": 6}
+
+
 def _mse(model, x, y):
     return float(np.mean((model(x).numpy() - y) ** 2))
 
@@ -91,7 +106,8 @@ def test_fit_trains(K, gk, name, mode):
     model.compile(optimizer=opt, loss="mse", run_eagerly=(mode == "eager"),
                   jit_compile=(mode == "jit"))
     before = _mse(model, x, y)
-    history = model.fit(x, y, batch_size=8, epochs=6, shuffle=False, verbose=0)
+    history = model.fit(x, y, batch_size=8, epochs=FIT_EPOCHS.get(name, EPOCHS),
+                        shuffle=False, verbose=0)
     after = _mse(model, x, y)
     assert np.isfinite(history.history["loss"]).all()
     assert after < 0.8 * before, (before, after)
@@ -122,7 +138,7 @@ def test_custom_loop_trains(K, gk, name, mode):
 
     step = compile_fn(step, mode)
     before = _mse(model, x, y)
-    for _ in range(6):
+    for _ in range(EPOCHS):
         for i in range(0, 64, 8):
             step(x[i:i + 8], y[i:i + 8])
     assert _mse(model, x, y) < 0.8 * before
