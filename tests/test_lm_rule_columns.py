@@ -12,8 +12,7 @@ Tolerance: the two forward modes apply the chain rule to the same ops but
 may order a product differently, float32 round-off (about 1e-7 of each
 column); four damped steps of this 9-parameter fit keep that well below
 1e-5 of the largest weight (measured: equal to the bit, both flavours),
-while a wrong
-column moves a step by O(1) of it (a wrong tanh rule: 0.74).
+while a wrong column moves a step by O(1) of it (a wrong tanh rule: 0.74).
 """
 
 import numpy as np
