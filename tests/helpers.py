@@ -6,6 +6,7 @@ import numpy as np
 import tensorflow as tf
 
 from conftest import compile_fn
+from tf_gradkit.core import forward_columns
 from tf_gradkit.core import precision
 
 
@@ -119,3 +120,19 @@ def float32_matmuls():
 # hiding a wrong weighting, which shows up at 1e-2 or more in float32. (With
 # TF32 the bound is 0.08: `make test-gpu` also runs these with TF32 off.)
 ROUNDOFF = 168 * MATMUL_UNIT
+
+
+def record_rule_columns(monkeypatch):
+    """A list that gets, for each `forward_columns.variable_columns` call
+    traced from now on (the test's), whether the rules formed the columns
+    (False where they fell back)."""
+    taken = []
+    original = forward_columns.variable_columns
+
+    def recording(fn, variables):
+        found = original(fn, variables)
+        taken.append(found is not None)
+        return found
+
+    monkeypatch.setattr(forward_columns, "variable_columns", recording)
+    return taken

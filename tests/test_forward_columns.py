@@ -13,6 +13,7 @@ the largest entry (1e-12 relative in float64, 1e-5 in float32: 2^-52 and
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import record_rule_columns
 
 from tf_gradkit.core import forward_columns
 from tf_gradkit.core.lm import linearize
@@ -284,15 +285,7 @@ def test_linearize_takes_the_rules_for_few_parameters(monkeypatch):
     """`linearize.residuals_and_jacobian` (least_squares, the Keras
     optimizer) takes these columns up to `RULE_COLUMNS_MAX_PARAMS`
     parameters, and TensorFlow's forward mode above: the same Jacobian."""
-    taken = []
-    original = forward_columns.variable_columns
-
-    def recording(fn, variables):
-        found = original(fn, variables)
-        taken.append(found is not None)
-        return found
-
-    monkeypatch.setattr(forward_columns, "variable_columns", recording)
+    taken = record_rule_columns(monkeypatch)
     t = tf.constant(T)
     for size in (3, linearize.RULE_COLUMNS_MAX_PARAMS + 1):
         p = tf.Variable(np.linspace(0.5, 1.5, size))

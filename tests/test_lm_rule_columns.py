@@ -18,24 +18,15 @@ while a wrong column moves a step by O(1) of it (a wrong tanh rule: 0.74).
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import mlp, regression_data, weights_of
+from helpers import mlp, record_rule_columns, regression_data, weights_of
 
-from tf_gradkit.core import forward_columns
 from tf_gradkit.core.lm import linearize
 
 
 @pytest.mark.parametrize("entry", ["fit", "custom_loop"])
 def test_rule_columns_take_tensorflows_forward_mode_steps(K, gk, entry, monkeypatch):
     x, y = regression_data(n=32, d=2)
-    taken = []
-    original = forward_columns.variable_columns
-
-    def recording(fn, variables):
-        found = original(fn, variables)
-        taken.append(found is not None)
-        return found
-
-    monkeypatch.setattr(forward_columns, "variable_columns", recording)
+    taken = record_rule_columns(monkeypatch)
 
     def train(max_params):
         monkeypatch.setattr(linearize, "RULE_COLUMNS_MAX_PARAMS", max_params)

@@ -124,16 +124,12 @@ def residuals_and_jacobian(residual_fn, variables, dtype, mode="auto",
         found = None
         if support is None and num_params <= RULE_COLUMNS_MAX_PARAMS:
             found = forward_columns.variable_columns(residual_fn, variables)
-        if found is not None:
-            residuals, cols = found
-            residuals = tf.reshape(residuals, [-1])
-            n = residuals.shape[0]
-            if mode == "forward" or n is None or n >= columns:
-                return tf.cast(residuals, dtype), tf.stack(
-                    [tf.cast(tf.reshape(c, [-1]), dtype) for c in cols], axis=1)
-        residuals = tf.reshape(residual_fn(), [-1])
+        residuals = tf.reshape(residual_fn() if found is None else found[0], [-1])
         n = residuals.shape[0]
         if mode == "forward" or n is None or n >= columns:
+            if found is not None:
+                return tf.cast(residuals, dtype), tf.stack(
+                    [tf.cast(tf.reshape(c, [-1]), dtype) for c in found[1]], axis=1)
             return forward_or_reverse(lambda: (tf.cast(residuals, dtype), _forward_jacobian(
                 residual_fn, variables, num_params, dtype, support)), reverse)
     return reverse()
