@@ -7,7 +7,8 @@ TensorFlow's vectorised forward mode; `least_squares` does too
 steps through `model.fit` and a custom loop's `minimize` (by automatic
 differentiation, not layer taps) are those the same optimizer takes with
 TensorFlow's forward mode (the threshold patched to 0), under both Keras
-flavours, for three models of at most 10 parameters:
+flavours, for three models of at most 10 parameters (the first through
+both, the others through `fit`):
 
 - ``mlp``: a 2-2-1 tanh MLP (9 parameters);
 - ``mixed``: the same under the ``mixed_float16`` policy, its output layer
@@ -15,11 +16,11 @@ flavours, for three models of at most 10 parameters:
   float16: the `Cast` rule over float16 tangents);
 - ``two_outputs``: one input, a tanh trunk and two named heads (10
   parameters, the threshold itself), compiled with a loss and a weight per
-  output; the custom loop's residuals are the two heads' concatenated. In
-  float64: its J^T J has a condition number of about 1e5, so float32's
-  round-off in the columns (1e-7, equal between the two modes to that) could
-  move four steps by 1e-4 of a weight (measured in float32: 1.1e-4 once),
-  too close to what a wrong column does to tell the two apart.
+  output. In float64: its J^T J has a condition number of about 1e5, so
+  float32's round-off in the columns (1e-7, equal between the two modes to
+  that) could move four steps by 1e-4 of a weight (measured in float32 in
+  a custom loop: 1.1e-4), too close to what a wrong column does to tell
+  the two apart.
 
 Tolerance: the two forward modes apply the chain rule to the same ops but
 may order a product differently, one rounding of the compute dtype per
@@ -27,7 +28,7 @@ product (2^-24 in float32, 2^-11 in float16 for ``mixed``, 2^-53 in float64),
 times the conditioning of the damped system over four steps: below 1e-5
 (float32, ``mlp``), 1e-3 (float16: two roundings) and 1e-9 (float64, cond
 1e5) of the largest weight (measured: equal to the bit for ``mlp`` and
-``mixed``, 9e-14 for ``two_outputs``), while a wrong column moves a step by
+``mixed``, 9e-15 for ``two_outputs``), while a wrong column moves a step by
 O(1) of it (a wrong tanh rule: 0.74; a `Cast` rule 1% off moves ``mixed``
 by 9.3e-3).
 """
@@ -45,18 +46,14 @@ POLICY = {"mlp": "float32", "mixed": "mixed_float16", "two_outputs": "float64"}
 
 def build(K, kind):
     """(model, compile's loss options, the custom loop's residual function
-    of x and y), with weights fixed by seed."""
+    of x and y, or None), with weights fixed by seed."""
     if kind == "two_outputs":
         inputs = K.Input((1,))
         trunk = K.layers.Dense(2, activation="tanh")(inputs)
         model = K.Model(inputs, {"a": K.layers.Dense(1, name="a")(trunk),
                                  "b": K.layers.Dense(1, name="b", activation="tanh")(trunk)})
         losses = {"loss": {"a": "mse", "b": "mse"}, "loss_weights": {"a": 2.0, "b": 0.5}}
-
-        def residuals(x, y):
-            out = model(x)
-            return tf.concat([np.sqrt(2.0) * (out["a"] - y["a"]),
-                              np.sqrt(0.5) * (out["b"] - y["b"])], axis=0)
+        residuals = None   # through `fit` only
     else:
         model = K.Sequential([K.Input((2,)), K.layers.Dense(2, activation="tanh"),
                               K.layers.Dense(1, dtype="float32")])
@@ -86,8 +83,13 @@ def policy(K, request):
         K.mixed_precision.set_global_policy("float32")
 
 
-@pytest.mark.parametrize("policy", ["mlp", "mixed", "two_outputs"], indirect=True)
-@pytest.mark.parametrize("entry", ["fit", "custom_loop"])
+# The MLP through both entries; the mixed-precision and two-output models
+# through `fit` (where Keras's policy and compiled per-output losses are
+# read): their columns come by the same rules in a custom loop, and each
+# cell costs about 10 s of compiling.
+@pytest.mark.parametrize("entry, policy", [
+    ("fit", "mlp"), ("custom_loop", "mlp"), ("fit", "mixed"), ("fit", "two_outputs")],
+    indirect=["policy"])
 def test_rule_columns_take_tensorflows_forward_mode_steps(K, gk, entry, policy,
                                                           monkeypatch):
     kind = policy
