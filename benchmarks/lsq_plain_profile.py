@@ -3,8 +3,9 @@
     python benchmarks/lsq_plain_profile.py [--top 15]
 
 Not a comparison: a profile of our own solve on benchmarks/lsq_latency.py's
-case (the 80-point float64 decay from ``(1, 1, 0)``), ``jit_compile=False``,
-as "auto" runs it for its first `AUTO_XLA_CALLS` calls. It prints:
+case (its 80-point float64 decay from ``(1, 1, 0)``, imported), with
+``jit_compile=False``, as "auto" runs it for its first `AUTO_XLA_CALLS`
+calls. It prints:
 
 - **the first call, in parts** (CPU seconds): the trace (Python builds the
   solve's graph: ``get_concrete_function``), the first run of the traced
@@ -35,23 +36,11 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # this script only, before TF loads
 
-import numpy as np
-import tensorflow as tf
 
 import tf_gradkit
+from lsq_latency import START, p, residuals   # the same case, its variables
 from tf_gradkit.core.lm import solve_cache
 from timing import write_result
-
-START = (1.0, 1.0, 0.0)
-T = np.linspace(0.0, 4.0, 80)
-Y = 2.5 * np.exp(-1.2 * T) + 0.1 + 0.01 * np.random.default_rng(0).standard_normal(80)
-t_tf = tf.constant(T)
-y_var = tf.Variable(Y)
-p = tf.Variable(START, dtype=tf.float64)
-
-
-def residuals():
-    return p[0] * tf.exp(-p[1] * t_tf) + p[2] - y_var
 
 
 def fit(**options):
