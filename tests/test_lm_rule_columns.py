@@ -74,7 +74,8 @@ def data(kind, x, y):
 
 
 @pytest.fixture
-def policy(K, request):
+def kind(K, request):
+    """The model's kind, with its dtype policy set for the test."""
     kind = request.param
     K.mixed_precision.set_global_policy(POLICY[kind])
     try:
@@ -87,12 +88,11 @@ def policy(K, request):
 # through `fit` (where Keras's policy and compiled per-output losses are
 # read): their columns come by the same rules in a custom loop, and each
 # cell costs about 10 s of compiling.
-@pytest.mark.parametrize("entry, policy", [
+@pytest.mark.parametrize("entry, kind", [
     ("fit", "mlp"), ("custom_loop", "mlp"), ("fit", "mixed"), ("fit", "two_outputs")],
-    indirect=["policy"])
-def test_rule_columns_take_tensorflows_forward_mode_steps(K, gk, entry, policy,
+    indirect=["kind"])
+def test_rule_columns_take_tensorflows_forward_mode_steps(K, gk, entry, kind,
                                                           monkeypatch):
-    kind = policy
     x, y = regression_data(n=32, d=2)
     x, y = data(kind, x, y)
     taken = record_rule_columns(monkeypatch)
