@@ -11,7 +11,9 @@ script fits the same arrays with `curve_fit` on the GPU:
 
 - matched: Gpufit's stopping rule as near as ours goes (``ftol=1e-4``, ``max_iterations=10``);
 - defaults: ``curve_fit(f, xy, y, p0)``, nothing else given;
-- each again in one chunk (``batch_size`` = all fits).
+- each again in one chunk (``batch_size`` = all fits);
+
+``--settings`` picks some of them.
 
 Both sides are timed as a user calls them: host arrays in, results back on the host (Gpufit's
 call copies the data to the GPU and back too). Each engine: the best of three calls after a
@@ -88,6 +90,9 @@ def main():
     parser.add_argument("--fits", default="1000000,1000000", help="one count per side")
     parser.add_argument("--device", default="/GPU:0", help="ours; /CPU:0 only to try the script")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--settings", default="matched,defaults,matched1,defaults1",
+                        help="ours: any of matched, defaults, matched1, defaults1 (one "
+                             "chunk); each first call compiles for 20-50 s on an H200")
     args = parser.parse_args()
     import tensorflow as tf
     gpus = tf.config.list_physical_devices("GPU")
@@ -101,11 +106,12 @@ def main():
             gpufit_row, ref, ref_ok = run_gpufit(args.driver, side, n, directory)
             gpufit_row["side"] = side
             rows.append(gpufit_row)
-            configs = [("matched", dict(ftol=1e-4, max_iterations=10)), ("defaults", {}),
-                       ("matched, one chunk", dict(ftol=1e-4, max_iterations=10,
-                                                   batch_size=n)),
-                       ("defaults, one chunk", dict(batch_size=n))]
-            for label, options in configs:
+            configs = {"matched": ("matched", dict(ftol=1e-4, max_iterations=10)),
+                       "defaults": ("defaults", {}),
+                       "matched1": ("matched, one chunk", dict(ftol=1e-4, max_iterations=10,
+                                                               batch_size=n)),
+                       "defaults1": ("defaults, one chunk", dict(batch_size=n))}
+            for label, options in [configs[k] for k in args.settings.split(",")]:
                 row, x, ok = run_ours(directory, n, label, args.device, **options)
                 row.update(side=side, agreement=agreement(x, ok, ref, ref_ok))
                 rows.append(row)
