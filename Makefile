@@ -127,16 +127,20 @@ example-%: $(STAMP)
 
 # On a GPU machine: the battery, the equivalence, precision and GPU tests and
 # every MirroredStrategy test (over two logical GPUs, NCCL all-reduce), per
-# flavour, with TensorFlow's defaults (TF32 on) and again with TF32 off.
+# flavour, with TensorFlow's defaults (TF32 on) and again with TF32 off; and
+# the batched least-squares files (Keras-free: with the Keras 3 run only).
 GPU_TESTS := tests/test_battery.py tests/test_gradient_accumulator.py \
 	tests/test_precision.py tests/test_gpu_state.py tests/test_gpu.py \
 	tests/test_levenberg_marquardt.py tests/test_projections.py tests/test_spd.py
+GPU_LSQ_TESTS := tests/test_small_fits.py tests/test_batched_least_squares.py \
+	tests/test_gpufit_conformance.py
 test-gpu: $(STAMP)
 	@if $(PY) -c "import sys, tensorflow as tf; sys.exit(0 if tf.config.list_physical_devices('GPU') else 1)" 2>/dev/null; then \
 	  for tf32 in default 0; do for legacy in 0 1; do \
 	    echo "== test-gpu: TF_USE_LEGACY_KERAS=$$legacy, TF32 $$tf32 =="; \
 	    run="env TF_GRADKIT_TWO_GPUS=1 TF_USE_LEGACY_KERAS=$$legacy $$( [ $$tf32 = 0 ] && echo NVIDIA_TF32_OVERRIDE=0 )"; \
 	    $$run $(PYTEST) -m "not slow" $(GPU_TESTS) || exit 1; \
+	    [ $$legacy = 1 ] || $$run $(PYTEST) -m "not slow" $(GPU_LSQ_TESTS) || exit 1; \
 	    $$run $(PYTEST) -m "distributed and not slow" tests || exit 1; \
 	  done; done; \
 	else \
