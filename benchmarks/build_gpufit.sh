@@ -22,7 +22,7 @@ for p in "${pids[@]}"; do wait "$p"; done
 "$NVCC" -shared -arch="$ARCH" -o "$OUT/libGpufit.so" "$OUT"/obj/*.o
 sed -e 's#Cpufit/cpufit.h#Gpufit/gpufit.h#' -e 's/cpufit_get_last_error/gpufit_get_last_error/' \
     -e 's/int const status = cpufit(/int const status = gpufit(/' \
-    -e 's/"cpufit size=/"gpufit size=/' "$DRIVER" > "$OUT/gpufit_bench.cpp"
+    -e 's/"cpufit size=/"gpufit size=/' -e 's/Error in cpufit/Error in gpufit/' "$DRIVER" > "$OUT/gpufit_bench.cpp"
 g++ -O3 -DNDEBUG -std=c++14 -I "$SRC" "$OUT/gpufit_bench.cpp" -o "$OUT/gpufit_bench" \
     -L "$OUT" -lGpufit -Wl,-rpath,"$OUT"
 echo "built $OUT/gpufit_bench"
