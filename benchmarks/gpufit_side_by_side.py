@@ -87,7 +87,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--driver", required=True)
     parser.add_argument("--sides", default="5,15")
-    parser.add_argument("--fits", default="1000000,1000000", help="one count per side")
+    parser.add_argument("--fits", default="1000000",
+                        help="one count for every side, or one per side")
     parser.add_argument("--device", default="/GPU:0", help="ours; /CPU:0 only to try the script")
     parser.add_argument("--json", default=None)
     parser.add_argument("--settings", default="matched,defaults,matched1,defaults1",
@@ -99,9 +100,20 @@ def main():
     print("GPUs:", gpus, flush=True)
     if not gpus and "GPU" in args.device:
         sys.exit("no GPU visible to TensorFlow: this script compares on a GPU")
+    sides = [int(s) for s in args.sides.split(",")]
+    fits = [int(float(s)) for s in args.fits.split(",")]
+    if len(fits) == 1:
+        fits *= len(sides)
+    if len(fits) != len(sides):
+        parser.error(f"--fits: one count, or one per side ({len(sides)}); "
+                     f"received {args.fits!r}")
+    settings = args.settings.split(",")
+    unknown = sorted(set(settings) - {"matched", "defaults", "matched1", "defaults1"})
+    if unknown:
+        parser.error(f"--settings: unknown {unknown}; accepted: matched, defaults, "
+                     "matched1, defaults1")
     rows = []
-    for side, n in zip([int(s) for s in args.sides.split(",")],
-                       [int(float(s)) for s in args.fits.split(",")]):
+    for side, n in zip(sides, fits):
         with tempfile.TemporaryDirectory() as directory:
             gpufit_row, ref, ref_ok = run_gpufit(args.driver, side, n, directory)
             gpufit_row["side"] = side
@@ -111,7 +123,7 @@ def main():
                        "matched1": ("matched, one chunk", dict(ftol=1e-4, max_iterations=10,
                                                                batch_size=n)),
                        "defaults1": ("defaults, one chunk", dict(batch_size=n))}
-            for label, options in [configs[k] for k in args.settings.split(",")]:
+            for label, options in [configs[k] for k in settings]:
                 row, x, ok = run_ours(directory, n, label, args.device, **options)
                 row.update(side=side, agreement=agreement(x, ok, ref, ref_ok))
                 rows.append(row)
