@@ -11,9 +11,15 @@ the ratio of their medians; the data are made here as
 `cpufit_side_by_side.generated` makes them (Gpufit's generator).
 
     python benchmarks/first_call.py [--against /tmp/old] [--rounds 5] [--side 5]
+        [--fits 10000] [--options '{"jit_compile": true, "batch_size": 1000000}']
+
+``--options`` passes keyword arguments to `curve_fit` (JSON): with
+``jit_compile`` and a ``batch_size`` it times an XLA compile of one chunk of
+that size (plus its run), the first call a GPU user of large chunks pays.
 """
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -33,21 +39,22 @@ xy, y, p0 = s.generated({side}, {fits})
 times = []
 for _ in range(2):
     c0 = time.process_time()
-    fit = tf_gradkit.curve_fit(s.gaussian, xy, y, p0)
+    fit = tf_gradkit.curve_fit(s.gaussian, xy, y, p0, **{options})
     fit.x.numpy()
     times.append(time.process_time() - c0)
 print(*times, fit.converged.numpy().mean())
 """
 
 
-def first_call(root, side, fits):
+def first_call(root, side, fits, options=None):
     """``(first call's CPU s, second call's CPU s, converged share)`` in a
     fresh process importing tf_gradkit from ``root``."""
     env = dict(os.environ, PYTHONPATH=root)
     env.pop("TF_GRADKIT_XLA_CACHE", None)
-    code = CHILD.format(root=root, here=HERE, side=side, fits=fits)
+    code = CHILD.format(root=root, here=HERE, side=side, fits=fits,
+                        options=repr(options or {}))
     out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
-                         capture_output=True, text=True, timeout=600).stdout
+                         capture_output=True, text=True, timeout=1200).stdout
     return tuple(float(v) for v in out.split()[-3:])
 
 
@@ -57,15 +64,26 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--side", type=int, default=5)
     parser.add_argument("--fits", type=int, default=10_000)
+    parser.add_argument("--options", default="{}",
+                        help="curve_fit's keyword arguments as JSON, e.g. '{\"jit_compile\": "
+                             "true, \"batch_size\": 1000000}' (default: none, the defaults)")
     args = parser.parse_args()
+    try:
+        options = json.loads(args.options)
+    except ValueError as error:
+        parser.error(f"--options: not JSON ({error}). Received: {args.options!r}")
+    if not isinstance(options, dict):
+        parser.error(f"--options: a JSON object of keyword arguments. Received: "
+                     f"{args.options!r}")
     roots = [ROOT] + ([os.path.abspath(args.against)] if args.against else [])
     runs = {root: [] for root in roots}
     load = os.getloadavg()[0]
     for _ in range(args.rounds):
         for root in roots:
-            runs[root].append(first_call(root, args.side, args.fits))
+            runs[root].append(first_call(root, args.side, args.fits, options))
     print(f"\n### First call of 10^{len(str(args.fits)) - 1} {args.side}x{args.side} "
-          f"Gaussian fits, curve_fit's defaults, fresh processes ({args.rounds} "
+          f"Gaussian fits, curve_fit's {'options ' + json.dumps(options) if options else 'defaults'}, "
+          f"fresh processes ({args.rounds} "
           f"alternated rounds; load average {load:.1f} -> {os.getloadavg()[0]:.1f})\n")
     print("| checkout | first call, CPU s: median [min-max] | second call, CPU s | "
           "converged |")
