@@ -546,7 +546,8 @@ def _chunk_solve(kind, fn, options, jit_compile, full_output, free):
             # Times ``unit`` (1.0, an input): counts that are constants let
             # XLA fold what derives from them into [B]-sized literals (a
             # 10^6-fit chunk spent 16 of its 80 s of compile on one).
-            n = residual_fn(x0).shape[1]
+            # (curve_fit: N of ``ydata``, without tracing the model once more)
+            n = (residual_fn(x0) if kind == "fun" else per_fit[1]).shape[1]
             counts = tf.fill([x0.shape[0]], float(n) * unit)
         else:
             counts = tf.reduce_sum(tf.cast(mask, x0.dtype), axis=1)
