@@ -340,9 +340,10 @@ class BatchedCholesky:
         p = a.shape[-1]
         if p <= UNROLL_MAX_PARAMS and spd._in_xla():
             return unrolled_cholesky_solve(a, -lin.jtr)
-        # (a plain graph's solve, spelled with reshape, expand_dims, squeeze
-        # and a constant eye: the values of slicing and `tf.eye`, in 30 ops
-        # fewer to trace, 3 solves in each chunk's trace)
+        # (the library's solve: a plain graph's, or XLA's past
+        # UNROLL_MAX_PARAMS; spelled with reshape, expand_dims, squeeze and a
+        # constant eye, the values of slicing and `tf.eye`, in 30 ops fewer
+        # to trace, 3 solves in each chunk's trace)
         chol = tf.linalg.cholesky(a)
         ok = (tf.reduce_all(tf.math.is_finite(chol), axis=[-2, -1])
               & tf.reduce_all(tf.linalg.diag_part(chol) > 0, axis=-1))
