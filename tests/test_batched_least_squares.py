@@ -393,3 +393,33 @@ def test_bad_shapes_refused_naming_the_argument(kwargs, name):
     args.update(kwargs)
     with pytest.raises(ValueError, match=name):
         tf_gradkit.curve_fit(**args)
+
+
+@pytest.mark.parametrize("p", [3, 70])   # under and over the unrolled solve's size
+@pytest.mark.parametrize("traced", [False, True])
+def test_plain_batched_cholesky_solves_each_problem_and_refuses_the_failed(p, traced):
+    """`BatchedCholesky` outside XLA (a plain chunk's solve): the step of each
+    SPD problem is ``-(J^T J + lambda D^2)^-1 J^T r``; a problem whose
+    factor fails (NaN in its J^T J) gets a zero step and ``ok`` False, and
+    its neighbours are untouched (the [P, P] identity it falls back on is
+    broadcast over the batch)."""
+    from tf_gradkit.core.lm import batched_parts   # noqa: PLC0415
+    rng = np.random.default_rng(p)
+    jac = rng.normal(size=(3, p + 5, p))
+    jtj = np.einsum("bni,bnj->bij", jac, jac)
+    jtj[1, 0, 0] = np.nan
+    jtr = rng.normal(size=(3, p))
+    damping, d2 = np.array([0.0, 0.5, 2.0]), rng.uniform(0.5, 2.0, size=(3, p))
+    lin = batched_parts.BatchedLinearization(
+        cost=tf.zeros([3], tf.float64), jtj=tf.constant(jtj), jtr=tf.constant(jtr))
+
+    def solve(damping, d2):
+        return batched_parts.BatchedCholesky().solve(lin, damping, d2)
+
+    run = tf.function(solve, autograph=False) if traced else solve
+    step, ok = run(tf.constant(damping), tf.constant(d2))
+    np.testing.assert_array_equal(ok.numpy(), [True, False, True])
+    np.testing.assert_array_equal(step.numpy()[1], np.zeros(p))
+    for b in (0, 2):
+        want = np.linalg.solve(jtj[b] + np.diag(damping[b] * d2[b]), -jtr[b])
+        np.testing.assert_allclose(step.numpy()[b], want, rtol=1e-8, atol=1e-10)

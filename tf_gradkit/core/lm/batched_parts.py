@@ -325,11 +325,6 @@ def qr_where(refused, r, jac):
                          (refused, r))[1]
 
 
-# `BatchedCholesky`'s identity for a failed factor is a constant up to this
-# size (64 x 64: 32 KiB in float64)
-CONSTANT_EYE_MAX = 64
-
-
 class BatchedCholesky:
     """`linear_solvers.Cholesky` per problem: ``J^T J + lambda D^2`` factored."""
 
@@ -342,14 +337,13 @@ class BatchedCholesky:
             return unrolled_cholesky_solve(a, -lin.jtr)
         # (the library's solve: a plain graph's, or XLA's past
         # UNROLL_MAX_PARAMS; spelled with reshape, expand_dims, squeeze and a
-        # constant eye, the values of slicing and `tf.eye`, in 30 ops fewer
-        # to trace, 3 solves in each chunk's trace)
+        # [P, P] eye broadcast over the batch: the values of slicing and a
+        # batch-shaped `tf.eye`, in fewer ops to trace and no [B, P, P]
+        # identity built at every solve; 3 solves in each chunk's trace)
         chol = tf.linalg.cholesky(a)
         ok = (tf.reduce_all(tf.math.is_finite(chol), axis=[-2, -1])
               & tf.reduce_all(tf.linalg.diag_part(chol) > 0, axis=-1))
-        eye = (tf.constant(np.eye(p), a.dtype) if p <= CONSTANT_EYE_MAX   # (broadcast)
-               else tf.eye(p, batch_shape=tf.shape(a)[:1], dtype=a.dtype))
-        safe = tf.where(tf.reshape(ok, [-1, 1, 1]), chol, eye)
+        safe = tf.where(tf.reshape(ok, [-1, 1, 1]), chol, tf.eye(p, dtype=a.dtype))
         step = tf.squeeze(tf.linalg.cholesky_solve(safe, tf.expand_dims(-lin.jtr, -1)), -1)
         ok = ok & _all_finite(step)
         return tf.where(tf.expand_dims(ok, -1), step, tf.zeros_like(step)), ok
