@@ -2,7 +2,12 @@
 factor of the final J^T J where `small.cholesky_factor` shows it as good as a
 QR's, the unrolled QR's elsewhere (`batched_parts.qr_where`, gathered 1/16
 of a batch at a time), against the QR's factor and its covariance; and the sums
-over points in blocks (`small.point_sum`)."""
+over points in blocks (`small.point_sum`).
+
+`make test` runs this file with XLA's default emitters (the Makefile's
+`DEFAULT_EMITTER_TESTS`): at optimisation level 0 with the older emitters,
+XLA's compile of the unrolled QR is not backward stable on nearly dependent
+columns (docs/batched_fits.md)."""
 
 import numpy as np
 import pytest
@@ -73,7 +78,7 @@ def assert_is_the_qr_factor(jac, r, qr):
       error per column (measured up to 0.3 kappa eps |J_j| against float64's
       QR of the same J; two float32 runs, each that close, 2x that; doubled
       again for a margin). With kappa ~3e5 (two nearly equal columns) that is
-      ~0.1 of a column's norm: a 1e-6 tolerance held only while the two
+      0.1-0.2 of a column's norm: a 1e-6 tolerance held only while the two
       passes were compiled alike."""
     eps = np.finfo(np.float32).eps
     np.testing.assert_array_equal(np.isnan(r), np.isnan(qr))
@@ -89,7 +94,7 @@ def assert_is_the_qr_factor(jac, r, qr):
         kappa = np.linalg.cond(jb[:, use] / nb[use])
         tol = 4 * kappa * eps * np.where(use, nb, 0.0)
         both = np.isfinite(rb) & np.isfinite(qb)
-        assert np.all((np.abs(rb - qb) <= tol[None, :] + 0.0)[both]), (kappa, np.abs(rb - qb))
+        assert np.all((np.abs(rb - qb) <= tol[None, :])[both]), (kappa, np.abs(rb - qb))
 
 
 @pytest.mark.parametrize("dtype, tol", [(np.float32, 2e-5), (np.float64, 1e-12)])
