@@ -736,6 +736,47 @@ def test_a_call_just_over_a_chunk_runs_in_equal_chunks(monkeypatch):
     _clear_solves()
 
 
+def test_compiled_fits_of_many_points_take_half_the_chunk(monkeypatch):
+    """On a CPU, with `batch_size` left to the package, a compiled solve of
+    fits of more than 32 points takes chunks of `CHUNK_BYTES_CPU_COMPILED`
+    of Jacobian (the 15x15 Gaussian and the decay ran 1.3-1.4x the fits per
+    CPU-second at 2 MB as at 4 MB); fits of up to 32 points, and the plain
+    engine, keep `CHUNK_BYTES_CPU`. Each fit ends as with that `batch_size`
+    given by name."""
+    if tf.config.list_logical_devices("GPU"):
+        pytest.skip("the CPU's chunk budget")
+    f64 = tf.float64
+    assert fitting._chunk_budget(40, True, f64) == fitting.CHUNK_BYTES_CPU_COMPILED // 8
+    assert fitting._chunk_budget(33, True, f64) == fitting.CHUNK_BYTES_CPU_COMPILED // 8
+    assert fitting._chunk_budget(32, True, f64) == fitting.CHUNK_BYTES_CPU // 8
+    assert fitting._chunk_budget(40, False, f64) == fitting.CHUNK_BYTES_CPU // 8
+    assert fitting._chunk_budget(225, True, tf.float32) == 2 ** 21 // 4
+    monkeypatch.setattr(fitting, "CHUNK_BYTES_CPU", 32 * 40 * 2 * 8)            # 32 fits
+    monkeypatch.setattr(fitting, "CHUNK_BYTES_CPU_COMPILED", 16 * 40 * 2 * 8)   # 16 fits
+    rng = np.random.default_rng(3)
+    t = np.linspace(0.0, 1.0, 40)
+    truth = rng.uniform(1.0, 2.0, (64, 2))
+    y = truth[:, :1] * t + truth[:, 1:] + rng.normal(0, 0.01, (64, 40))
+    p0 = np.ones((64, 2))
+
+    def line(t, p):
+        return p[:, 0:1] * t[None, :] + p[:, 1:2]
+
+    built = _spy_problems(monkeypatch)
+    _clear_solves()
+    plain = tf_gradkit.curve_fit(line, tf.constant(t), y, p0, jit_compile=False)
+    assert built == [32], built
+    built.clear()
+    compiled = tf_gradkit.curve_fit(line, tf.constant(t), y, p0, jit_compile=True)
+    assert built == [16], built
+    given = tf_gradkit.curve_fit(line, tf.constant(t), y, p0, jit_compile=True,
+                                 batch_size=16)
+    _clear_solves()
+    np.testing.assert_array_equal(compiled.x.numpy(), given.x.numpy())
+    assert np.all(compiled.converged.numpy()) and np.all(plain.converged.numpy())
+    np.testing.assert_allclose(compiled.x.numpy(), plain.x.numpy(), rtol=1e-9)
+
+
 @pytest.mark.parametrize("m, p", [(25, 5), (7, 7), (3, 5), (40, 1)])
 def test_unrolled_qr_matches_library(m, p):
     """The unrolled Householder QR (the covariance's factor under XLA) against

@@ -42,6 +42,22 @@ from tf_gradkit.core.lm.robust import RobustLoss
 # budget 12-15k; docs/batched_fits.md).
 CHUNK_ELEMENTS = 2 ** 24
 CHUNK_BYTES_CPU = 2 ** 22
+# Compiled (XLA) on CPUs, fits of more than `small.POINT_BLOCK` points take
+# chunks of half that, 2 MB of Jacobian: each column of the 2-D Gaussian
+# 15x15 or of benchmarks/bounded_decay.py's decay (100 points, float64) is
+# then ~420 KB, and a chunk's passes run from the core's cache. Measured
+# 2026-12-01 on the 2-core Intel Xeon (2 MB of L2 a core), in-process A/B
+# of whole calls of 10^5 fits, medians of three, fits per CPU-second:
+# 15x15 Cpufit's stopping rule 74k at 466 fits a chunk against 58k at 932
+# (one thread 76k against 56k), the defaults 61k against 48k; the decay
+# 33k at 512 against 24k at 1,048 (and 31k at 640, 28k at 768, 19k at
+# 2,096). Not for fits of up to 32 points, whose passes are mostly the
+# per-fit algebra's short kernels over the chunk's fits: Gpufit's 5x5 ran
+# 205k fits per CPU-second at 8,388 a chunk against 190k at 4,096 on the
+# AMD EPYC machine (2026-12-01; 1.10x the other way on the Intel one), so
+# they keep 4 MB. Nor for the plain engine (10^4 15x15 fits: 0.79 s of CPU
+# at 466 a chunk against 0.74 s at 932).
+CHUNK_BYTES_CPU_COMPILED = 2 ** 21
 
 # jit_compile="auto" (the default): a plain ``tf.function`` until this
 # function, with these options, has been given this many fits in this
@@ -697,14 +713,13 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
         n_points = int(per_fit[1].shape[1])
     elif batch_size is None:  # N from one problem's residuals
         n_points = _residual_count(fn[0], full0, per_fit, name)
-    if batch_size is None:
-        budget = (CHUNK_ELEMENTS if tf.config.list_logical_devices("GPU")
-                  else CHUNK_BYTES_CPU // dtype.size)
-        batch_size = max(1, budget // max(n_points * p, 1))
-    size = _chunk_size(batch, batch_size, batch_size_given is None, pad_small)
     function = tuple(_identity(f) for f in fn)   # (the model, its jac): hashable
     jit_compile, given = _engine(jit_compile, (kind, function, key, full_output, free),
                                  batch)
+    if batch_size is None:
+        batch_size = max(1, _chunk_budget(n_points, jit_compile, dtype)
+                         // max(n_points * p, 1))
+    size = _chunk_size(batch, batch_size, batch_size_given is None, pad_small)
     solve = _compiled(kind, fn, options, key, jit_compile, full_output, free, function)
     # "auto" chose XLA: a function XLA cannot compile runs plain instead.
     may_fall_back = given is not None and jit_compile
@@ -785,6 +800,18 @@ def _check_jit_compile(jit_compile, name):
     if not isinstance(jit_compile, bool) and jit_compile != "auto":
         raise ValueError(f"{name}: `jit_compile` must be True, False or 'auto'. "
                          f"Received: jit_compile={jit_compile!r}")
+
+
+def _chunk_budget(n_points, compiled, dtype):
+    """Jacobian elements a chunk holds when `batch_size` is not given:
+    `CHUNK_ELEMENTS` on a GPU; on CPUs `CHUNK_BYTES_CPU_COMPILED` for a
+    compiled solve of fits of more than `small.POINT_BLOCK` points, else
+    `CHUNK_BYTES_CPU`."""
+    if tf.config.list_logical_devices("GPU"):
+        return CHUNK_ELEMENTS
+    if compiled and n_points > small.POINT_BLOCK:
+        return CHUNK_BYTES_CPU_COMPILED // dtype.size
+    return CHUNK_BYTES_CPU // dtype.size
 
 
 def _chunk_size(batch, budget, ours, pad_small):
