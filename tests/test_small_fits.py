@@ -737,15 +737,20 @@ def test_a_call_just_over_a_chunk_runs_in_equal_chunks(monkeypatch):
 
 
 def test_compiled_fits_of_many_points_take_half_the_chunk(monkeypatch):
-    """On a CPU, with `batch_size` left to the package, a compiled solve of
-    fits of more than 32 points takes chunks of `CHUNK_BYTES_CPU_COMPILED`
-    of Jacobian (the 15x15 Gaussian and the decay ran 1.3-1.4x the fits per
-    CPU-second at 2 MB as at 4 MB); fits of up to 32 points, and the plain
-    engine, keep `CHUNK_BYTES_CPU`. Each fit ends as with that `batch_size`
-    given by name."""
+    """On a CPU whose cores have at least 2 MB of L2 cache, with `batch_size`
+    left to the package, a compiled solve of fits of more than 32 points
+    takes chunks of `CHUNK_BYTES_CPU_COMPILED` of Jacobian (the 15x15
+    Gaussian and the decay ran 1.3-1.4x the fits per CPU-second at 2 MB as
+    at 4 MB there); fits of up to 32 points, the plain engine and a CPU of
+    less L2 (or none read) keep `CHUNK_BYTES_CPU`. Each fit ends as with
+    that `batch_size` given by name."""
     if tf.config.list_logical_devices("GPU"):
         pytest.skip("the CPU's chunk budget")
     f64 = tf.float64
+    for l2 in (None, 2 ** 20, 2 ** 21 - 1):
+        monkeypatch.setattr(fitting, "_core_l2_bytes", lambda l2=l2: l2)
+        assert fitting._chunk_budget(40, True, f64) == fitting.CHUNK_BYTES_CPU // 8
+    monkeypatch.setattr(fitting, "_core_l2_bytes", lambda: 2 ** 21)
     assert fitting._chunk_budget(40, True, f64) == fitting.CHUNK_BYTES_CPU_COMPILED // 8
     assert fitting._chunk_budget(33, True, f64) == fitting.CHUNK_BYTES_CPU_COMPILED // 8
     assert fitting._chunk_budget(32, True, f64) == fitting.CHUNK_BYTES_CPU // 8
@@ -775,6 +780,29 @@ def test_compiled_fits_of_many_points_take_half_the_chunk(monkeypatch):
     np.testing.assert_array_equal(compiled.x.numpy(), given.x.numpy())
     assert np.all(compiled.converged.numpy()) and np.all(plain.converged.numpy())
     np.testing.assert_allclose(compiled.x.numpy(), plain.x.numpy(), rtol=1e-9)
+
+
+def test_core_l2_cache_is_read_from_sysfs(tmp_path):
+    """`fitting._core_l2_bytes` reads the level-2 entry of Linux's cache
+    folders ("2048K" is 2 MB), skipping the other levels, and gives None
+    where there is no such entry or it cannot be read."""
+    def entry(name, level, kind, size):
+        folder = tmp_path / "cache" / name
+        folder.mkdir(parents=True)
+        for key, value in (("level", level), ("type", kind), ("size", size)):
+            (folder / key).write_text(value + "\n")
+
+    entry("index0", "1", "Data", "48K")
+    entry("index1", "1", "Instruction", "64K")
+    entry("index2", "2", "Unified", "2048K")
+    entry("index3", "3", "Unified", "491520K")
+    read = fitting._core_l2_bytes.__wrapped__
+    assert read(str(tmp_path / "cache")) == 2 ** 21
+    (tmp_path / "cache" / "index2" / "size").write_text("1M\n")
+    assert read(str(tmp_path / "cache")) == 2 ** 20
+    (tmp_path / "cache" / "index2" / "size").write_text("garbage\n")
+    assert read(str(tmp_path / "cache")) is None
+    assert read(str(tmp_path / "nothing")) is None
 
 
 @pytest.mark.parametrize("m, p", [(25, 5), (7, 7), (3, 5), (40, 1)])

@@ -12,6 +12,8 @@ the chunk's shapes and dtypes), so a repeated call with the same function
 only runs.
 """
 
+import functools
+import os
 from typing import NamedTuple
 
 import numpy as np
@@ -56,7 +58,12 @@ CHUNK_BYTES_CPU = 2 ** 22
 # 205k fits per CPU-second at 8,388 a chunk against 190k at 4,096 on the
 # AMD EPYC machine (2026-12-01; 1.10x the other way on the Intel one), so
 # they keep 4 MB. Nor for the plain engine (10^4 15x15 fits: 0.79 s of CPU
-# at 466 a chunk against 0.74 s at 932).
+# at 466 a chunk against 0.74 s at 932). And only where a core's L2 cache
+# holds at least 2 MB (read from Linux's sysfs; `_core_l2_bytes`): each of
+# the two threads then keeps its half of a chunk's arrays in its own L2.
+# On the AMD EPYC machine (1 MB of L2 a core) the decay in chunks of 524
+# fits ran 0.68-0.89x the fits per CPU-second of 1,048 (2026-11-29): the
+# smaller chunk gains nothing there and costs its kernels' overhead.
 CHUNK_BYTES_CPU_COMPILED = 2 ** 21
 
 # jit_compile="auto" (the default): a plain ``tf.function`` until this
@@ -805,13 +812,37 @@ def _check_jit_compile(jit_compile, name):
 def _chunk_budget(n_points, compiled, dtype):
     """Jacobian elements a chunk holds when `batch_size` is not given:
     `CHUNK_ELEMENTS` on a GPU; on CPUs `CHUNK_BYTES_CPU_COMPILED` for a
-    compiled solve of fits of more than `small.POINT_BLOCK` points, else
-    `CHUNK_BYTES_CPU`."""
+    compiled solve of fits of more than `small.POINT_BLOCK` points where a
+    core's L2 cache holds that many bytes, else `CHUNK_BYTES_CPU`."""
     if tf.config.list_logical_devices("GPU"):
         return CHUNK_ELEMENTS
-    if compiled and n_points > small.POINT_BLOCK:
+    if (compiled and n_points > small.POINT_BLOCK
+            and (_core_l2_bytes() or 0) >= CHUNK_BYTES_CPU_COMPILED):
         return CHUNK_BYTES_CPU_COMPILED // dtype.size
     return CHUNK_BYTES_CPU // dtype.size
+
+
+@functools.lru_cache(maxsize=None)
+def _core_l2_bytes(root="/sys/devices/system/cpu/cpu0/cache"):
+    """The first CPU core's level-2 cache in bytes, from Linux's sysfs
+    (None where it cannot be read: another system, a container hiding it)."""
+    try:
+        for entry in sorted(os.listdir(root)):
+            folder = os.path.join(root, entry)
+            with open(os.path.join(folder, "level")) as f:
+                level = f.read().strip()
+            with open(os.path.join(folder, "type")) as f:
+                kind = f.read().strip()
+            if level == "2" and kind in ("Unified", "Data"):
+                with open(os.path.join(folder, "size")) as f:
+                    size = f.read().strip()
+                units = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
+                if size[-1:] in units:
+                    return int(size[:-1]) * units[size[-1]]
+                return int(size)
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def _chunk_size(batch, budget, ours, pad_small):
