@@ -61,9 +61,11 @@ CHUNK_BYTES_CPU = 2 ** 22
 # at 466 a chunk against 0.74 s at 932). And only where a core's L2 cache
 # holds at least 2 MB (read from Linux's sysfs; `_core_l2_bytes`): each of
 # the two threads then keeps its half of a chunk's arrays in its own L2.
-# On the AMD EPYC machine (1 MB of L2 a core) the decay in chunks of 524
-# fits ran 0.68-0.89x the fits per CPU-second of 1,048 (2026-11-29): the
-# smaller chunk gains nothing there and costs its kernels' overhead.
+# On the AMD EPYC machine (an AVX-512 EPYC, so 1 MB of L2 a core by AMD's
+# specification; not read there) the decay in chunks of 524 fits ran
+# 0.68-0.89x the fits per CPU-second of 1,048 (2026-11-29): there the
+# smaller chunk's arrays do not fit L2 either, and its kernels cost more
+# overhead per fit. Not measured on that machine since this change.
 CHUNK_BYTES_CPU_COMPILED = 2 ** 21
 
 # jit_compile="auto" (the default): a plain ``tf.function`` until this
