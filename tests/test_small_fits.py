@@ -736,26 +736,24 @@ def test_a_call_just_over_a_chunk_runs_in_equal_chunks(monkeypatch):
     _clear_solves()
 
 
-def test_compiled_fits_of_many_points_take_half_the_chunk(monkeypatch):
+def test_compiled_fits_take_half_the_chunk_where_l2_holds_it(monkeypatch):
     """On a CPU whose cores have at least 2 MB of L2 cache, with `batch_size`
-    left to the package, a compiled solve of fits of more than 32 points
-    takes chunks of `CHUNK_BYTES_CPU_COMPILED` of Jacobian (the 15x15
-    Gaussian and the decay ran 1.3-1.4x the fits per CPU-second at 2 MB as
-    at 4 MB there); fits of up to 32 points, the plain engine and a CPU of
-    less L2 (or none read) keep `CHUNK_BYTES_CPU`. Each fit ends as with
-    that `batch_size` given by name."""
+    left to the package, a compiled solve takes chunks of
+    `CHUNK_BYTES_CPU_COMPILED` of Jacobian (the 15x15 Gaussian and the decay
+    ran 1.3-1.4x the fits per CPU-second at 2 MB as at 4 MB there, the 5x5
+    1.1x); the plain engine and a CPU of less L2 (or none read) keep
+    `CHUNK_BYTES_CPU`. Each fit ends as with that `batch_size` given by
+    name."""
     if tf.config.list_logical_devices("GPU"):
         pytest.skip("the CPU's chunk budget")
     f64 = tf.float64
     for l2 in (None, 2 ** 20, 2 ** 21 - 1):
         monkeypatch.setattr(fitting, "_core_l2_bytes", lambda l2=l2: l2)
-        assert fitting._chunk_budget(40, True, f64) == fitting.CHUNK_BYTES_CPU // 8
+        assert fitting._chunk_budget(True, f64) == fitting.CHUNK_BYTES_CPU // 8
     monkeypatch.setattr(fitting, "_core_l2_bytes", lambda: 2 ** 21)
-    assert fitting._chunk_budget(40, True, f64) == fitting.CHUNK_BYTES_CPU_COMPILED // 8
-    assert fitting._chunk_budget(33, True, f64) == fitting.CHUNK_BYTES_CPU_COMPILED // 8
-    assert fitting._chunk_budget(32, True, f64) == fitting.CHUNK_BYTES_CPU // 8
-    assert fitting._chunk_budget(40, False, f64) == fitting.CHUNK_BYTES_CPU // 8
-    assert fitting._chunk_budget(225, True, tf.float32) == 2 ** 21 // 4
+    assert fitting._chunk_budget(True, f64) == fitting.CHUNK_BYTES_CPU_COMPILED // 8
+    assert fitting._chunk_budget(False, f64) == fitting.CHUNK_BYTES_CPU // 8
+    assert fitting._chunk_budget(True, tf.float32) == 2 ** 21 // 4
     monkeypatch.setattr(fitting, "CHUNK_BYTES_CPU", 32 * 40 * 2 * 8)            # 32 fits
     monkeypatch.setattr(fitting, "CHUNK_BYTES_CPU_COMPILED", 16 * 40 * 2 * 8)   # 16 fits
     rng = np.random.default_rng(3)

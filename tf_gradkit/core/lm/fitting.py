@@ -44,28 +44,26 @@ from tf_gradkit.core.lm.robust import RobustLoss
 # budget 12-15k; docs/batched_fits.md).
 CHUNK_ELEMENTS = 2 ** 24
 CHUNK_BYTES_CPU = 2 ** 22
-# Compiled (XLA) on CPUs, fits of more than `small.POINT_BLOCK` points take
-# chunks of half that, 2 MB of Jacobian: each column of the 2-D Gaussian
-# 15x15 or of benchmarks/bounded_decay.py's decay (100 points, float64) is
-# then ~420 KB, and a chunk's passes run from the core's cache. Measured
-# 2026-12-01 on the 2-core Intel Xeon (2 MB of L2 a core), in-process A/B
-# of whole calls of 10^5 fits, medians of three, fits per CPU-second:
-# 15x15 Cpufit's stopping rule 74k at 466 fits a chunk against 58k at 932
-# (one thread 76k against 56k), the defaults 61k against 48k; the decay
-# 33k at 512 against 24k at 1,048 (and 31k at 640, 28k at 768, 19k at
-# 2,096). Not for fits of up to 32 points, whose passes are mostly the
-# per-fit algebra's short kernels over the chunk's fits: Gpufit's 5x5 ran
-# 205k fits per CPU-second at 8,388 a chunk against 190k at 4,096 on the
-# AMD EPYC machine (2026-12-01; 1.10x the other way on the Intel one), so
-# they keep 4 MB. Nor for the plain engine (10^4 15x15 fits: 0.79 s of CPU
-# at 466 a chunk against 0.74 s at 932). And only where a core's L2 cache
-# holds at least 2 MB (read from Linux's sysfs; `_core_l2_bytes`): each of
-# the two threads then keeps its half of a chunk's arrays in its own L2.
-# On the AMD EPYC machine (an AVX-512 EPYC, so 1 MB of L2 a core by AMD's
+# Compiled (XLA) on CPUs, chunks of half that, 2 MB of Jacobian, where a
+# core's L2 cache holds 2 MB (read from Linux's sysfs; `_core_l2_bytes`):
+# each column of the 2-D Gaussian 15x15 or of benchmarks/bounded_decay.py's
+# decay (100 points, float64) is then ~420 KB, and each of the two threads
+# keeps its half of a chunk's arrays in its own L2. Measured on the 2-core
+# Intel Xeon (2 MB of L2 a core), in-process A/B of whole calls of 10^5
+# fits, medians of three, fits per CPU-second: 15x15 Cpufit's stopping
+# rule 74k at 466 fits a chunk against 58k at 932 (one thread 76k against
+# 56k), the defaults 61k against 48k; the decay 33k at 512 against 24k at
+# 1,048 (and 31k at 640, 28k at 768, 19k at 2,096) (2026-12-01 morning);
+# Gpufit's 5x5 with Cpufit's stopping rule 427-430k at 4,096 against
+# 390-395k at 8,388, the defaults 361-363k against 329k (2026-12-01
+# afternoon, two runs). Not for the plain engine (10^4 15x15 fits: 0.79 s
+# of CPU at 466 a chunk against 0.74 s at 932). Not on a CPU with less L2:
+# on the AMD EPYC machine (an AVX-512 EPYC, so 1 MB of L2 a core by AMD's
 # specification; not read there) the decay in chunks of 524 fits ran
-# 0.68-0.89x the fits per CPU-second of 1,048 (2026-11-29): there the
+# 0.68-0.89x the fits per CPU-second of 1,048 (2026-11-29) and the 5x5 in
+# chunks of 4,096 190k against 205k at 8,388 (2026-12-01): there the
 # smaller chunk's arrays do not fit L2 either, and its kernels cost more
-# overhead per fit. Not measured on that machine since this change.
+# overhead per fit.
 CHUNK_BYTES_CPU_COMPILED = 2 ** 21
 
 # jit_compile="auto" (the default): a plain ``tf.function`` until this
@@ -726,7 +724,7 @@ def _solve(kind, fn, x0, per_fit, shared, mask, bounds, opts, batch_size,
     jit_compile, given = _engine(jit_compile, (kind, function, key, full_output, free),
                                  batch)
     if batch_size is None:
-        batch_size = max(1, _chunk_budget(n_points, jit_compile, dtype)
+        batch_size = max(1, _chunk_budget(jit_compile, dtype)
                          // max(n_points * p, 1))
     size = _chunk_size(batch, batch_size, batch_size_given is None, pad_small)
     solve = _compiled(kind, fn, options, key, jit_compile, full_output, free, function)
@@ -811,15 +809,14 @@ def _check_jit_compile(jit_compile, name):
                          f"Received: jit_compile={jit_compile!r}")
 
 
-def _chunk_budget(n_points, compiled, dtype):
+def _chunk_budget(compiled, dtype):
     """Jacobian elements a chunk holds when `batch_size` is not given:
     `CHUNK_ELEMENTS` on a GPU; on CPUs `CHUNK_BYTES_CPU_COMPILED` for a
-    compiled solve of fits of more than `small.POINT_BLOCK` points where a
-    core's L2 cache holds that many bytes, else `CHUNK_BYTES_CPU`."""
+    compiled solve where a core's L2 cache holds that many bytes, else
+    `CHUNK_BYTES_CPU`."""
     if tf.config.list_logical_devices("GPU"):
         return CHUNK_ELEMENTS
-    if (compiled and n_points > small.POINT_BLOCK
-            and (_core_l2_bytes() or 0) >= CHUNK_BYTES_CPU_COMPILED):
+    if compiled and (_core_l2_bytes() or 0) >= CHUNK_BYTES_CPU_COMPILED:
         return CHUNK_BYTES_CPU_COMPILED // dtype.size
     return CHUNK_BYTES_CPU // dtype.size
 
